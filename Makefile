@@ -1,0 +1,47 @@
+# Two commands set everything up on a fresh machine: `make test` and `make book`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=900
+
+# Quiet, offline, reproducible: the same settings tools/book.py gives the kernels it starts.
+export TQDM_DISABLE=1
+export HF_HUB_OFFLINE=1
+export HF_DATASETS_OFFLINE=1
+export TRANSFORMERS_VERBOSITY=error
+export TOKENIZERS_PARALLELISM=false
+export PYTHONWARNINGS=ignore
+export MPLBACKEND=module://matplotlib_inline.backend_inline
+
+.PHONY: install test book notebooks lab lock clean
+
+install: $(STAMP)
+
+# The lock pins every package (torch 2.13.0 CPU included) so stored notebook outputs reproduce.
+$(STAMP): pyproject.toml requirements.lock
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest tests notebooks $(NBVAL) -q
+
+book: $(STAMP)
+	$(PY) tools/book.py build
+
+notebooks: $(STAMP)
+	$(PY) tools/book.py notebooks $(CHAPTERS)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+# Regenerate requirements.lock and environment.yml from the current .venv.
+lock:
+	$(PY) tools/lock.py
+
+clean:
+	rm -rf build .pytest_cache

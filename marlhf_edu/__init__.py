@@ -1,0 +1,36 @@
+"""marlhf_edu — the verified code behind the RLHF-PPO / MA-PPO textbook.
+
+Importing the package is light: only torch is needed for the math below.
+Training stages (transformers, trl, peft) live in sub-modules that are
+imported on demand.
+"""
+
+from marlhf_edu.gae import gae_advantages, gae_advantages_reference
+from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
+from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
+from marlhf_edu.masked import last_valid_index, masked_mean, masked_var, masked_whiten
+from marlhf_edu.ppo_objective import policy_loss, ppo_loss, value_loss
+from marlhf_edu.reward import llama2_reward_select, pairwise_reward_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "last_valid_index",
+    "pairwise_reward_loss",
+    "llama2_reward_select",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "kl_penalty",
+    "FixedKLController",
+    "AdaptiveKLController",
+    "token_level_rewards",
+    "gae_advantages",
+    "gae_advantages_reference",
+    "policy_loss",
+    "value_loss",
+    "ppo_loss",
+]

@@ -1,0 +1,231 @@
+"""Checkers for the chapters' exercises.
+
+Each `check_…` runs the learner's function and the package's reference on the
+same random and edge-case inputs and reports, case by case, where behaviour
+differs. It never reads the learner's source: any correct implementation
+passes. The report is truthy when every case passes, so a classroom test can
+simply `assert check_gae_advantages(my_gae)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from marlhf_edu.gae import gae_advantages
+from marlhf_edu.kl import kl_penalty
+from marlhf_edu.logprobs import logprobs_from_logits
+from marlhf_edu.masked import masked_mean
+from marlhf_edu.ppo_objective import policy_loss
+from marlhf_edu.reward import pairwise_reward_loss
+
+
+@dataclass
+class CheckReport:
+    """Outcome of one `check_…` call; truthy iff every case passed."""
+
+    name: str
+    cases: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return not self.failures
+
+    def __repr__(self) -> str:
+        if not self.failures:
+            return f"PASS {self.name}: all {len(self.cases)} cases agree with the reference"
+        lines = [f"FAIL {self.name}: {len(self.failures)} of {len(self.cases)} cases disagree"]
+        lines += [f"  - {f}" for f in self.failures]
+        return "\n".join(lines)
+
+
+def _first_tensor(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _compare(label: str, got, expected: torch.Tensor, atol: float, rtol: float) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return f"{label}: expected a tensor, got {type(got).__name__}"
+    if tuple(got.shape) != tuple(expected.shape):
+        return f"{label}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    got = got.detach().double()
+    expected = expected.detach().double()
+    if torch.isnan(got).any():
+        return f"{label}: result contains NaN"
+    bad = ~torch.isclose(got, expected, atol=atol, rtol=rtol)
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        at = f" at index {idx}" if got.dim() else ""
+        return f"{label}: got {got[idx].item():.6g}{at}, expected {expected[idx].item():.6g}"
+    return None
+
+
+def _run(name: str, cases: list[tuple[str, Callable[[], str | None]]]) -> CheckReport:
+    report = CheckReport(name)
+    for label, case in cases:
+        report.cases.append(label)
+        try:
+            problem = case()
+        except Exception as err:  # a learner's bug must become a report line, not a crash
+            problem = f"{label}: raised {type(err).__name__}: {err}"
+        if problem:
+            report.failures.append(problem)
+    return report
+
+
+def _padded_mask(gen: torch.Generator, B: int, T: int, left: bool = False) -> torch.Tensor:
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    lengths[0] = T
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return mask.flip(1) if left else mask
+
+
+def check_masked_mean(fn: Callable) -> CheckReport:
+    """Check `fn(values, mask) -> scalar` against `masked_mean`. Chapter 00's exercise."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 7, generator=gen)
+
+    def case(label, values, mask, atol=1e-6):
+        return label, lambda: _compare(label, _first_tensor(fn(values.clone(), mask.clone())), masked_mean(values, mask), atol, 1e-5)
+
+    right = _padded_mask(gen, 4, 7)
+    garbage = torch.where(right, x, torch.full_like(x, 1e6))
+    nan_pad = torch.where(right, x, torch.full_like(x, float("nan")))
+    return _run("check_masked_mean", [
+        case("all tokens valid", x, torch.ones(4, 7)),
+        case("right padding (float mask)", x, right.float()),
+        case("left padding (bool mask)", x, _padded_mask(gen, 4, 7, left=True)),
+        case("padding holds 1e6", garbage, right.float()),
+        case("padding holds NaN", nan_pad, right.float()),
+        case("one valid token", x, torch.zeros(4, 7).index_put_((torch.tensor([2]), torch.tensor([3])), torch.tensor(1.0))),
+    ])
+
+
+def check_pairwise_reward_loss(fn: Callable) -> CheckReport:
+    """Check `fn(chosen, rejected, margin=None) -> scalar`. Chapter 01's exercise."""
+    gen = torch.Generator().manual_seed(1)
+    c, r = torch.randn(16, generator=gen), torch.randn(16, generator=gen)
+    margin = torch.randint(0, 4, (16,), generator=gen).float()
+
+    def case(label, chosen, rejected, m=None):
+        def run():
+            got = fn(chosen, rejected) if m is None else fn(chosen, rejected, m)
+            return _compare(label, _first_tensor(got), pairwise_reward_loss(chosen, rejected, m), 1e-5, 1e-5)
+        return label, run
+
+    return _run("check_pairwise_reward_loss", [
+        case("random scores", c, r),
+        case("equal scores give log 2", c, c.clone()),
+        case("with margins", c, r, margin),
+        case("rejected far above chosen (stability)", torch.full((4,), -200.0), torch.full((4,), 200.0)),
+        case("chosen far above rejected", torch.full((4,), 200.0), torch.full((4,), -200.0)),
+    ])
+
+
+def check_logprobs_from_logits(fn: Callable) -> CheckReport:
+    """Check `fn(logits, labels) -> (B, T)` log-probs. Chapter 02's exercise."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5, 11, generator=gen)
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+
+    def case(label, z, y, atol=1e-5):
+        return label, lambda: _compare(label, fn(z.clone(), y.clone()), logprobs_from_logits(z, y), atol, 1e-5)
+
+    return _run("check_logprobs_from_logits", [
+        case("random logits", logits, labels),
+        case("large logits (overflow of a naive softmax)", logits * 1000.0, labels, atol=1e-2),
+        case("one-token batch", logits[:1, :1], labels[:1, :1]),
+        case("bf16 logits", logits.bfloat16(), labels, atol=2e-2),
+    ])
+
+
+def check_kl_penalty(fn: Callable, kind: str = "k3") -> CheckReport:
+    """Check a learner's per-token KL estimator `fn(logprobs, ref_logprobs)` of one `kind`.
+
+    Chapter 03's exercise uses k3. Near d = 0 the tolerance is absolute 1e-8,
+    which a naive fp32 `exp(d) - 1 - d` misses.
+    """
+    gen = torch.Generator().manual_seed(3)
+    logp = -torch.rand(4, 6, generator=gen) * 5
+    ref = logp + torch.randn(4, 6, generator=gen)
+
+    def case(label, a, b, atol=1e-6):
+        def run():
+            got = fn(a, b)
+            problem = _compare(label, got, kl_penalty(a, b, kind), atol, 1e-4)
+            if problem is None and kind == "k3" and bool((got < 0).any()):
+                problem = f"{label}: k3 must never be negative, got {got.min().item():.3g}"
+            return problem
+        return label, run
+
+    tiny = logp + torch.linspace(-1e-3, 1e-3, 24).view(4, 6)
+    return _run(f"check_kl_penalty[{kind}]", [
+        case("random log-probs", logp, ref),
+        case("policy equals reference", logp, logp.clone()),
+        case("tiny differences (|d| <= 1e-3)", logp, tiny, atol=1e-8),
+        case("large differences", logp, logp + 8.0),
+    ])
+
+
+def check_gae_advantages(fn: Callable) -> CheckReport:
+    """Check `fn(values, rewards, mask, gamma, lam) -> (advantages, returns)`. Chapter 04's exercise."""
+    gen = torch.Generator().manual_seed(4)
+    v, r = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    right = _padded_mask(gen, 3, 8)
+
+    def case(label, values, rewards, mask, gamma=1.0, lam=0.95):
+        def run():
+            got = fn(values.clone(), rewards.clone(), mask.clone(), gamma, lam)
+            adv, ret = gae_advantages(values, rewards, mask, gamma, lam)
+            if not isinstance(got, (tuple, list)) or len(got) != 2:
+                return f"{label}: expected a tuple (advantages, returns)"
+            return _compare(f"{label} (advantages)", got[0], adv, 1e-5, 1e-5) or \
+                _compare(f"{label} (returns)", got[1], ret, 1e-5, 1e-5)
+        return label, run
+
+    return _run("check_gae_advantages", [
+        case("no padding", v, r, torch.ones(3, 8)),
+        case("right padding", v, r, right.float()),
+        case("padding holds garbage", torch.where(right, v, 1e3), torch.where(right, r, -1e3), right.float()),
+        case("lambda = 0 (TD residual)", v, r, right.float(), 0.9, 0.0),
+        case("gamma = lambda = 1 (reward-to-go)", v, r, right.float(), 1.0, 1.0),
+        case("gamma = 0.9, lambda = 0.8", v, r, right.float(), 0.9, 0.8),
+    ])
+
+
+def check_policy_loss(fn: Callable) -> CheckReport:
+    """Check `fn(logprobs, old_logprobs, advantages, mask, cliprange) -> loss` (or `(loss, stats)`).
+
+    Compares the loss value and its gradient with respect to `logprobs`, so a
+    min/max mix-up that happens to give the right value still fails.
+    Chapter 05's exercise.
+    """
+    gen = torch.Generator().manual_seed(5)
+    old = -torch.rand(4, 6, generator=gen) * 3
+    adv = torch.randn(4, 6, generator=gen)
+    mask = _padded_mask(gen, 4, 6).float()
+
+    def case(label, shift):
+        def run():
+            new = (old + shift).clone().requires_grad_(True)
+            ref_new = (old + shift).clone().requires_grad_(True)
+            got = _first_tensor(fn(new, old.clone(), adv.clone(), mask.clone(), 0.2))
+            expected, _ = policy_loss(ref_new, old, adv, mask, 0.2)
+            problem = _compare(f"{label} (loss)", got, expected, 1e-5, 1e-5)
+            if problem:
+                return problem
+            got.backward()
+            expected.backward()
+            if new.grad is None:
+                return f"{label}: the loss does not depend on logprobs (no gradient)"
+            return _compare(f"{label} (gradient)", new.grad, ref_new.grad, 1e-6, 1e-5)
+        return label, run
+
+    return _run("check_policy_loss", [
+        case("ratio exactly 1", torch.zeros(4, 6)),
+        case("small policy change", 0.05 * torch.randn(4, 6, generator=gen)),
+        case("large policy change (clip active)", 0.6 * torch.randn(4, 6, generator=gen)),
+        case("garbage in padding", torch.where(mask.bool(), 0.1, 50.0)),
+    ])

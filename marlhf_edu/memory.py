@@ -1,0 +1,65 @@
+"""Measuring memory.
+
+`run_isolated` runs one function in a fresh Python process and reports the
+growth of the process's peak resident memory during that call: a clean,
+allocator-independent reading on CPU, where torch has no memory statistics.
+
+Taught in chapter 02 (log-prob memory); extended for the PPO engines later.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+
+def _peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def logprob_workload(method: str, batch: int, tokens: int, vocab: int) -> int:
+    """Allocate (B, T, V) fp32 logits, then return the peak-RSS growth of one log-prob call.
+
+    `method` is "naive" (log_softmax + gather) or "chunked" (`logprobs_from_logits`).
+    Meant to run in a fresh process through `run_isolated`.
+    """
+    import torch
+
+    from marlhf_edu.logprobs import logprobs_from_logits
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, tokens, vocab, generator=gen)
+    labels = torch.randint(0, vocab, (batch, tokens), generator=gen)
+    # warm the kernels on a small input so one-off allocations do not count
+    logprobs_from_logits(logits[:1, :1], labels[:1, :1])
+    torch.log_softmax(logits[:1, :1], -1)
+    before = _peak_rss_bytes()
+    if method == "naive":
+        out = torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+    elif method == "chunked":
+        out = logprobs_from_logits(logits, labels)
+    else:
+        raise ValueError(f"unknown method {method!r}; use 'naive' or 'chunked'")
+    del out
+    return _peak_rss_bytes() - before
+
+
+def run_isolated(target: str, **kwargs) -> int:
+    """Call `module:function(**kwargs)` in a fresh interpreter and return its (int) result.
+
+    A fresh process matters: peak RSS is a high-water mark, so earlier work in
+    the calling process would hide the call's own peak.
+    """
+    module, func = target.split(":")
+    code = (
+        "import json, sys, importlib\n"
+        f"fn = getattr(importlib.import_module({module!r}), {func!r})\n"
+        "print(json.dumps(fn(**json.loads(sys.argv[1]))))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run_isolated({target}) failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
