@@ -11,6 +11,10 @@ from marlhf_edu._validate import as_bool_mask, check_no_nan, check_same_shape
 from marlhf_edu.masked import masked_mean
 
 
+#: Bound on |log π − log π_old| inside `policy_loss`, so the ratio can never overflow.
+LOG_RATIO_LIMIT = 20.0
+
+
 def _zero_masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
@@ -27,7 +31,8 @@ def policy_loss(
     .. math:: \rho_t = e^{\log\pi(a_t) - \log\pi_{old}(a_t)}, \qquad
               L = \operatorname{mean}_m \max\big(-A_t\rho_t,\; -A_t\operatorname{clip}(\rho_t, 1-\epsilon, 1+\epsilon)\big)
 
-    All inputs (B, T). Returns `(loss, stats)`; stats (0-dim, detached):
+    All inputs (B, T). The log-ratio is clamped to ±20 before `exp` so the loss
+    stays finite. Returns `(loss, stats)`; stats (0-dim, detached):
     `clipfrac` — share of tokens where the clipped term is the larger (there the
     gradient is exactly 0); `approxkl` — ½·mean_m (log π − log π_old)²;
     `policykl` — mean_m (log π_old − log π); `ratio_mean`, `ratio_max`.
@@ -39,8 +44,10 @@ def policy_loss(
     m = as_bool_mask(mask, logprobs, fn)
     for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
         check_no_nan(fn, name, x, m)
-    # padding is zeroed before exp() so a garbage log-prob there cannot overflow into the mean
-    log_ratio = _zero_masked(logprobs - old_logprobs, m)
+    # padding is zeroed before exp() so a garbage log-prob there cannot overflow into the mean;
+    # the clamp keeps exp() finite (e^20 ≈ 5e8): a minibatch anywhere near it is skipped by
+    # ppo_loss's ratio threshold, and a finite loss times 0 has zero gradients, inf times 0 has NaN ones.
+    log_ratio = _zero_masked((logprobs - old_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT), m)
     advantages = _zero_masked(advantages, m)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio

@@ -48,6 +48,9 @@ def read_chapter(md: pathlib.Path):
     import jupytext
 
     nb = jupytext.read(md)
+    # stable cell ids, so re-executing an unchanged chapter leaves an unchanged notebook
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"c{i:03d}"
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["jupytext"] = {"formats": "notebooks///ipynb,chapters///md:myst"}
     return nb

@@ -1,0 +1,43 @@
+"""The exercise checkers must pass correct solutions and fail the classic wrong ones."""
+
+import torch
+
+from marlhf_edu import exercises as ex
+from marlhf_edu import gae_advantages_reference, kl_penalty, logprobs_from_logits, masked_mean, pairwise_reward_loss, policy_loss
+
+
+def test_reference_implementations_pass():
+    assert ex.check_masked_mean(masked_mean)
+    assert ex.check_pairwise_reward_loss(pairwise_reward_loss)
+    assert ex.check_logprobs_from_logits(logprobs_from_logits)
+    assert ex.check_kl_penalty(lambda a, b: kl_penalty(a, b, "k3"), "k3")
+    assert ex.check_kl_penalty(lambda a, b: kl_penalty(a, b, "k1"), "k1")
+    assert ex.check_gae_advantages(gae_advantages_reference)
+    assert ex.check_policy_loss(policy_loss)
+
+
+def test_classic_mistakes_fail():
+    assert not ex.check_masked_mean(lambda v, m: (v * m).sum() / m.sum())
+    assert not ex.check_masked_mean(lambda v, m: v.mean())
+    assert not ex.check_pairwise_reward_loss(lambda c, r, m=None: -torch.log(torch.sigmoid(c - r)).mean())
+    assert not ex.check_pairwise_reward_loss(lambda c, r, m=None: -torch.nn.functional.logsigmoid(c - r).mean())
+    assert not ex.check_logprobs_from_logits(lambda z, y: torch.log(torch.softmax(z, -1)).gather(-1, y[..., None]).squeeze(-1))
+    assert not ex.check_kl_penalty(lambda l, r: torch.exp(r - l) - 1 - (r - l), "k3")
+    assert not ex.check_kl_penalty(lambda l, r: l - r, "k3")
+
+    def gae_ignoring_mask(v, r, m, g, l):
+        return gae_advantages_reference(v, r, torch.ones_like(m), g, l)
+    assert not ex.check_gae_advantages(gae_ignoring_mask)
+
+    def min_instead_of_max(lp, old, a, m, c):
+        ratio = torch.exp(lp - old)
+        return masked_mean(torch.minimum(-a * ratio, -a * ratio.clamp(1 - c, 1 + c)), m)
+    assert not ex.check_policy_loss(min_instead_of_max)
+
+
+def test_a_crashing_solution_is_reported_not_raised():
+    def broken(*args):
+        raise RuntimeError("not implemented")
+    report = ex.check_gae_advantages(broken)
+    assert not report and "raised RuntimeError: not implemented" in repr(report)
+    assert len(report.failures) == len(report.cases)

@@ -1,0 +1,108 @@
+"""The book's machinery: chapter pairs, stored executions, pins, a light import."""
+
+import importlib.util
+import inspect
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import marlhf_edu
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("book_tool", ROOT / "tools" / "book.py")
+book_tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(book_tool)
+
+
+def test_chapter_pairs_in_sync_and_executed():
+    assert book_tool.out_of_sync() == []
+
+
+def test_out_of_sync_detection_works(tmp_path, monkeypatch):
+    chapters, notebooks = tmp_path / "chapters", tmp_path / "notebooks"
+    chapters.mkdir(); notebooks.mkdir()
+    src = (ROOT / "chapters" / "00_preface.md").read_text()
+    (chapters / "00_preface.md").write_text(src.replace("print(", "print('edited', ", 1))
+    nb = json.loads((ROOT / "notebooks" / "00_preface.ipynb").read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["execution_count"] = None
+            break
+    (notebooks / "00_preface.ipynb").write_text(json.dumps(nb))
+    (chapters / "99_orphan.md").write_text(src)
+    monkeypatch.setattr(book_tool, "CHAPTERS", chapters)
+    monkeypatch.setattr(book_tool, "NOTEBOOKS", notebooks)
+    problems = "\n".join(book_tool.out_of_sync())
+    assert "99_orphan.md has no notebooks" in problems
+    assert "00_preface: chapter and notebook differ" in problems
+    assert "has no stored execution" in problems
+
+
+@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_notebooks_have_no_stderr_or_errors(nb_path):
+    nb = json.loads(nb_path.read_text())
+    for i, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            assert out.get("name") != "stderr", f"{nb_path.name} cell {i} stored stderr output"
+            assert out["output_type"] != "error", f"{nb_path.name} cell {i} stored an error"
+
+
+@pytest.mark.parametrize("md_path", sorted((ROOT / "chapters").glob("*.md")), ids=lambda p: p.stem)
+def test_chapter_structure(md_path):
+    text = md_path.read_text()
+    assert "format_name: myst" in text
+    assert "**Learning goals.**" in text and "## Summary" in text
+    assert "show(" in text, "chapters display the package's own source"
+    assert re.search(r"check_\w+\(", text), "every chapter has an exercise with a checker"
+    assert "### BEGIN SOLUTION" in text and "### END SOLUTION" in text
+    assert "plt." in text, "every chapter has at least one figure"
+
+
+def read_pins(lines):
+    return {line.split("==")[0].lower(): line.split("==")[1] for line in lines if "==" in line}
+
+
+def test_environment_yml_matches_lock():
+    lock = read_pins(l.strip() for l in (ROOT / "requirements.lock").read_text().splitlines() if not l.startswith("#"))
+    env_lines = [l.strip()[2:] for l in (ROOT / "environment.yml").read_text().splitlines() if l.strip().startswith("- ")]
+    env = read_pins(env_lines)
+    assert lock == env
+    assert lock["torch"] == "2.13.0" and "bitsandbytes" in lock and "nbval" in lock
+
+
+def test_pyproject_declares_the_stack():
+    text = (ROOT / "pyproject.toml").read_text()
+    for dep in ("torch", "transformers", "peft", "trl", "bitsandbytes>=0.48", "datasets", "accelerate",
+                "matplotlib", "jupyterlab", "nbval", "jupytext"):
+        assert f'"{dep}' in text, dep
+
+
+def test_import_is_light():
+    code = "import sys, marlhf_edu; print(sorted(m for m in ('trl', 'peft', 'transformers', 'datasets') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", marlhf_edu.__version__)
+
+
+def test_public_api_documented_with_chapter():
+    chapters = {p.stem[:2] for p in (ROOT / "chapters").glob("*.md")}
+    for name in marlhf_edu.__all__:
+        if name == "__version__":
+            continue
+        obj = getattr(marlhf_edu, name)
+        doc = inspect.getdoc(obj) or ""
+        match = re.search(r"[Cc]hapter (\d\d)", doc)
+        assert match, f"{name} has no 'chapter NN' pointer in its docstring"
+        assert match.group(1) in chapters, f"{name} points to chapter {match.group(1)}, which does not exist"
+        if inspect.isfunction(obj):
+            hints = inspect.signature(obj)
+            assert hints.return_annotation is not inspect.Signature.empty, f"{name} lacks a return type hint"
+
+
+def test_ci_runs_the_readme_command():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert "make test" in (ROOT / "README.md").read_text() and "make book" in (ROOT / "README.md").read_text()
