@@ -1,20 +1,50 @@
-"""`marlhf-edu` command line: one sub-command per pipeline stage."""
+"""`marlhf-edu` command line: one sub-command per pipeline stage.
+
+    marlhf-edu sft --config configs/tiny_sft.yaml [--key value ...]
+    marlhf-edu rm  --config configs/tiny_rm.yaml  [--key value ...]
+    marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import marlhf_edu
 
+COMMANDS = {
+    "sft": ("marlhf_edu.stages.sft", "supervised fine-tuning (trl SFTTrainer, completion-only loss)"),
+    "rm": ("marlhf_edu.stages.reward", "reward model (trl RewardTrainer, SEQ_CLS LoRA, margins)"),
+    "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: marlhf-edu COMMAND --config FILE [--key value ...]", "", "commands:"]
+    lines += [f"  {name:6s} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="marlhf-edu", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"marlhf-edu {marlhf_edu.__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] == "--version":
+        print(f"marlhf-edu {marlhf_edu.__version__}")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"marlhf-edu: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    import importlib
+
+    from marlhf_edu.stages.common import ConfigError
+
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    try:
+        module.main(argv[1:])
+    except ConfigError as err:
+        print(f"marlhf-edu {argv[0]}: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -16,8 +16,34 @@ import sys
 
 
 def _peak_rss_bytes() -> int:
-    # Linux reports ru_maxrss in KiB.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident memory of this process (Linux's VmHWM; ru_maxrss where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _reset_peak() -> None:
+    """Hand freed heap pages back to the OS and restart the peak count from the current RSS.
+
+    Without this, memory freed earlier but still resident is silently reused by
+    the measured call and its allocations never show up in the peak.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
 
 
 def logprob_workload(method: str, batch: int, tokens: int, vocab: int) -> int:
@@ -36,6 +62,7 @@ def logprob_workload(method: str, batch: int, tokens: int, vocab: int) -> int:
     # warm the kernels on a small input so one-off allocations do not count
     logprobs_from_logits(logits[:1, :1], labels[:1, :1])
     torch.log_softmax(logits[:1, :1], -1)
+    _reset_peak()
     before = _peak_rss_bytes()
     if method == "naive":
         out = torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None]).squeeze(-1)

@@ -1,0 +1,33 @@
+"""Data formats: the prompt template, converters to trl's formats, loaders.
+
+Taught in chapter 06 (`chapters/06_data_and_sft.md`).
+"""
+
+from marlhf_edu.data.formats import (
+    BadRowError,
+    LoadReport,
+    alpaca_to_sft,
+    generic_to_preference,
+    hh_rlhf_to_preference,
+    load_preferences,
+    load_sft,
+    pku_saferlhf_to_preference,
+    PKU_MARGINS,
+)
+from marlhf_edu.data.template import DEFAULT_SYSTEM, build_prompt, format_completion, render_dialogue
+
+__all__ = [
+    "DEFAULT_SYSTEM",
+    "build_prompt",
+    "format_completion",
+    "render_dialogue",
+    "BadRowError",
+    "LoadReport",
+    "PKU_MARGINS",
+    "generic_to_preference",
+    "hh_rlhf_to_preference",
+    "pku_saferlhf_to_preference",
+    "alpaca_to_sft",
+    "load_preferences",
+    "load_sft",
+]

@@ -1,0 +1,279 @@
+"""Converters from public dataset schemas to trl's formats, and loaders.
+
+Preference rows become `{"prompt", "chosen", "rejected"[, "margin"]}`, which
+trl's `RewardTrainer` and `DPOTrainer` take directly; SFT rows become
+`{"prompt", "completion"}` for `SFTTrainer` with completion-only loss. Every
+prompt is rendered with the book's one template (`marlhf_edu.data.template`).
+
+Bad rows raise `BadRowError` naming the row and the field. With
+`skip_bad_rows=True` they are skipped instead, and counted and listed in the
+returned report and in a warning: nothing is dropped silently.
+
+Taught in chapter 06.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from marlhf_edu.data.template import DEFAULT_SYSTEM, build_prompt, format_completion, render_dialogue
+
+#: Margins given to PKU-SafeRLHF pairs, by which rule chose the winner.
+#: Safety decides (exactly one response safe): the gap must be large.
+#: Helpfulness decides between two safe responses: a moderate gap.
+#: Two unsafe responses: the safer one wins, with no gap asked for.
+PKU_MARGINS = {"one_safe": 3.0, "both_safe": 1.0, "both_unsafe": 0.0}
+
+
+class BadRowError(ValueError):
+    """A row that cannot be converted; `row` is its 0-based index, `field` the offending key."""
+
+    def __init__(self, row: int, field: str, reason: str):
+        self.row, self.field, self.reason = row, field, reason
+        super().__init__(f"row {row}, field {field!r}: {reason}")
+
+
+@dataclass
+class LoadReport:
+    """What a loader kept and what it skipped (and why)."""
+
+    total: int = 0
+    kept: int = 0
+    skipped: list[BadRowError] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if not self.skipped:
+            return f"kept all {self.total} rows"
+        reasons = Counter(f"{e.field}: {e.reason}" for e in self.skipped)
+        listed = "; ".join(f"{n} × {r}" for r, n in reasons.most_common())
+        return f"kept {self.kept} of {self.total} rows, skipped {len(self.skipped)} ({listed})"
+
+
+# ---- field checks -------------------------------------------------------------------------
+
+
+def _text(row: dict, i: int, key: str, allow_empty: bool = False) -> str:
+    if key not in row:
+        raise BadRowError(i, key, "missing key")
+    value = row[key]
+    if not isinstance(value, str):
+        raise BadRowError(i, key, f"expected a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise BadRowError(i, key, "empty text")
+    return value
+
+
+def _flag(row: dict, i: int, key: str) -> bool:
+    if key not in row:
+        raise BadRowError(i, key, "missing key")
+    if not isinstance(row[key], bool):
+        raise BadRowError(i, key, f"expected true/false, got {row[key]!r}")
+    return row[key]
+
+
+def _response_id(row: dict, i: int, key: str) -> int:
+    if key not in row:
+        raise BadRowError(i, key, "missing key")
+    value = row[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRowError(i, key, f"expected 0 or 1, got {value!r}")
+    if value not in (0, 1):
+        raise BadRowError(i, key, f"id out of range: {value} (must be 0 or 1)")
+    return value
+
+
+def _margin(row: dict, i: int) -> float | None:
+    if row.get("margin") is None:
+        return None
+    value = row["margin"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRowError(i, "margin", f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _pair(i: int, prompt: str, chosen: str, rejected: str, margin: float | None, rejected_field: str) -> dict:
+    if chosen.strip() == rejected.strip():
+        raise BadRowError(i, rejected_field, "identical to the chosen response")
+    out = {"prompt": prompt, "chosen": format_completion(chosen), "rejected": format_completion(rejected)}
+    if margin is not None:
+        out["margin"] = margin
+    return out
+
+
+# ---- converters (one row in, one row out) -----------------------------------------------
+
+
+def generic_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+    """`question`, `response_chosen`, `response_rejected` [, `margin`] → trl preference row."""
+    question = _text(row, i, "question")
+    chosen, rejected = _text(row, i, "response_chosen"), _text(row, i, "response_rejected")
+    return _pair(i, build_prompt(question, system), chosen, rejected, _margin(row, i), "response_rejected")
+
+
+_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def _parse_transcript(text: str, i: int, key: str) -> list[tuple[str, str]]:
+    if not text.startswith("\n\nHuman:"):
+        raise BadRowError(i, key, "transcript must start with '\\n\\nHuman:'")
+    marks = list(_TURN.finditer(text))
+    turns = []
+    for k, m in enumerate(marks):
+        end = marks[k + 1].start() if k + 1 < len(marks) else len(text)
+        turns.append((m.group(1), text[m.end():end].strip()))
+    for k, (role, _) in enumerate(turns):
+        if role != ("Human" if k % 2 == 0 else "Assistant"):
+            raise BadRowError(i, key, f"turn {k} should be {'Human' if k % 2 == 0 else 'Assistant'}, got {role}")
+    if turns[-1][0] != "Assistant":
+        raise BadRowError(i, key, "transcript must end with an Assistant turn")
+    return turns
+
+
+def hh_rlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+    """Anthropic hh-rlhf `chosen`/`rejected` transcripts → trl preference row.
+
+    The prompt is the dialogue both transcripts share up to the last assistant
+    turn, rendered with the template (earlier turns as Question/Answer pairs);
+    chosen and rejected are the two last assistant turns.
+    """
+    chosen_turns = _parse_transcript(_text(row, i, "chosen"), i, "chosen")
+    rejected_turns = _parse_transcript(_text(row, i, "rejected"), i, "rejected")
+    if chosen_turns[:-1] != rejected_turns[:-1]:
+        raise BadRowError(i, "rejected", "the dialogue before the last assistant turn differs from 'chosen'")
+    chosen, rejected = chosen_turns[-1][1], rejected_turns[-1][1]
+    if not chosen:
+        raise BadRowError(i, "chosen", "empty text (last assistant turn)")
+    if not rejected:
+        raise BadRowError(i, "rejected", "empty text (last assistant turn)")
+    history = chosen_turns[:-1]
+    pairs = [(history[k][1], history[k + 1][1] if k + 1 < len(history) else None) for k in range(0, len(history), 2)]
+    return _pair(i, render_dialogue(pairs, system), chosen, rejected, None, "rejected")
+
+
+def pku_saferlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+    """PKU-SafeRLHF row → trl preference row, safety first.
+
+    Exactly one response safe: it is chosen (margin `PKU_MARGINS["one_safe"]` = 3).
+    Both safe: `better_response_id` decides (margin 1). Both unsafe:
+    `safer_response_id` decides (margin 0).
+    """
+    prompt = build_prompt(_text(row, i, "prompt"), system)
+    responses = [_text(row, i, "response_0"), _text(row, i, "response_1")]
+    safe = [_flag(row, i, "is_response_0_safe"), _flag(row, i, "is_response_1_safe")]
+    better, safer = _response_id(row, i, "better_response_id"), _response_id(row, i, "safer_response_id")
+    if safe[0] != safe[1]:
+        winner, case = (0 if safe[0] else 1), "one_safe"
+    elif safe[0]:
+        winner, case = better, "both_safe"
+    else:
+        winner, case = safer, "both_unsafe"
+    return _pair(i, prompt, responses[winner], responses[1 - winner], PKU_MARGINS[case], f"response_{1 - winner}")
+
+
+def trl_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+    """Rows already in trl's format (`prompt`, `chosen`, `rejected` [, `margin`]): validated, passed through."""
+    out = {"prompt": _text(row, i, "prompt"), "chosen": _text(row, i, "chosen"), "rejected": _text(row, i, "rejected")}
+    if out["chosen"].strip() == out["rejected"].strip():
+        raise BadRowError(i, "rejected", "identical to the chosen response")
+    margin = _margin(row, i)
+    if margin is not None:
+        out["margin"] = margin
+    return out
+
+
+def alpaca_to_sft(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+    """Alpaca `instruction`, `input`, `output` → `{"prompt", "completion"}`; a non-empty input follows the instruction."""
+    instruction = _text(row, i, "instruction")
+    extra = _text(row, i, "input", allow_empty=True) if "input" in row and row["input"] is not None else ""
+    question = instruction.strip() + (f"\n{extra.strip()}" if extra.strip() else "")
+    return {"prompt": build_prompt(question, system), "completion": format_completion(_text(row, i, "output"))}
+
+
+def trl_prompt_completion(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+    """Rows already in `{"prompt", "completion"}` form: validated, passed through."""
+    return {"prompt": _text(row, i, "prompt"), "completion": _text(row, i, "completion")}
+
+
+PREFERENCE_FORMATS: dict[str, Callable] = {
+    "generic": generic_to_preference,
+    "hh-rlhf": hh_rlhf_to_preference,
+    "pku-saferlhf": pku_saferlhf_to_preference,
+    "trl": trl_preference,
+}
+SFT_FORMATS: dict[str, Callable] = {"alpaca": alpaca_to_sft, "prompt-completion": trl_prompt_completion}
+
+
+# ---- loaders ------------------------------------------------------------------------------
+
+
+def _rows(source: Any, split: str) -> Iterable[dict]:
+    """Rows of a local JSON/JSONL/Parquet file, a hub dataset name, a `datasets.Dataset` or a list of dicts."""
+    if isinstance(source, list):
+        return source
+    import datasets
+
+    if isinstance(source, datasets.Dataset):
+        return source
+    path = str(source)
+    for suffix, builder in ((".jsonl", "json"), (".json", "json"), (".parquet", "parquet")):
+        if path.endswith(suffix):
+            import os
+
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"no such data file: {path}")
+            return datasets.load_dataset(builder, data_files=path, split="train")
+    return datasets.load_dataset(path, split=split)
+
+
+def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, system: str, kind: str):
+    if fmt not in table:
+        raise ValueError(f"unknown {kind} format {fmt!r}; choose one of {', '.join(table)}")
+    convert = table[fmt]
+    report, out = LoadReport(), []
+    for i, row in enumerate(_rows(source, split)):
+        report.total += 1
+        try:
+            if not isinstance(row, dict):
+                raise BadRowError(i, "<row>", f"expected a mapping, got {type(row).__name__}")
+            out.append(convert(row, i, system))
+        except BadRowError as err:
+            if not skip_bad_rows:
+                raise
+            report.skipped.append(err)
+    report.kept = len(out)
+    with_margin = [("margin" in r) for r in out]
+    if any(with_margin) and not all(with_margin):
+        first = with_margin.index(False)
+        raise BadRowError(first, "margin", "some rows have a margin and this one has none")
+    if not out:
+        raise ValueError(f"no usable rows in {source!r}: {report.summary()}")
+    if report.skipped:
+        warnings.warn(f"{kind} data: {report.summary()}", stacklevel=3)
+    import datasets
+
+    return datasets.Dataset.from_list(out), report
+
+
+def load_preferences(source, format: str = "generic", *, split: str = "train", skip_bad_rows: bool = False,
+                     system: str = DEFAULT_SYSTEM, return_report: bool = False):
+    """Load preference data into a `datasets.Dataset` of `prompt`, `chosen`, `rejected` [, `margin`].
+
+    `source`: a .json/.jsonl/.parquet path, a hub dataset name (read through
+    `datasets`, with `split`), a `datasets.Dataset` or a list of dicts.
+    `format`: "generic", "hh-rlhf", "pku-saferlhf" or "trl". A bad row raises
+    `BadRowError`; `skip_bad_rows=True` skips it and reports it. With
+    `return_report=True` returns `(dataset, LoadReport)`.
+    """
+    ds, report = _convert(source, format, PREFERENCE_FORMATS, split, skip_bad_rows, system, "preference")
+    return (ds, report) if return_report else ds
+
+
+def load_sft(source, format: str = "alpaca", *, split: str = "train", skip_bad_rows: bool = False,
+             system: str = DEFAULT_SYSTEM, return_report: bool = False):
+    """Load SFT data into a `datasets.Dataset` of `prompt`, `completion` (formats: "alpaca", "prompt-completion")."""
+    ds, report = _convert(source, format, SFT_FORMATS, split, skip_bad_rows, system, "SFT")
+    return (ds, report) if return_report else ds

@@ -1,0 +1,72 @@
+"""What the stages share: argument parsing, model loading with optional 4-bit + LoRA, toy data."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+
+
+class ConfigError(ValueError):
+    """A configuration problem reported before any work starts."""
+
+
+def parse_stage_args(dataclass_types, argv: list[str] | None):
+    """Parse `--config FILE` plus `--key value` overrides into the given dataclasses, as trl's scripts do.
+
+    Unknown keys (in the YAML or on the command line) and invalid values raise
+    `ConfigError` naming the key and, when there is one, the closest valid key.
+    """
+    from trl import TrlParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = TrlParser(dataclass_types)
+    known = {a.dest for a in parser._actions}
+    if "--config" in argv:
+        import yaml
+
+        path = argv[argv.index("--config") + 1]
+        if not os.path.exists(path):
+            raise ConfigError(f"config file not found: {path}")
+        with open(path) as f:
+            content = yaml.safe_load(f) or {}
+        if not isinstance(content, dict):
+            raise ConfigError(f"{path}: the config must be a YAML mapping of key: value")
+        unknown = [k for k in content if k not in known and k != "env"]
+        if unknown:
+            raise ConfigError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}" + _suggest(unknown, known))
+    flags = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--config"]
+    unknown = [f for f in flags if f not in known]
+    if unknown:
+        raise ConfigError(f"unknown option(s) {', '.join('--' + f for f in unknown)}" + _suggest(unknown, known))
+    try:
+        return parser.parse_args_and_config(argv)
+    except SystemExit as err:  # argparse exits on a bad value; turn it into an error a caller can catch
+        raise ConfigError(f"invalid configuration value (see the message above): {argv}") from err
+
+
+def _suggest(unknown: list[str], known: set[str]) -> str:
+    hints = [f"{k!r} → did you mean {m[0]!r}?" for k in unknown if (m := difflib.get_close_matches(k, known, 1))]
+    return ("; " + "; ".join(hints)) if hints else ""
+
+
+def quantization_and_device_map(model_args):
+    """trl's own helpers: a `BitsAndBytesConfig` when `load_in_4bit`/`load_in_8bit`, else None."""
+    import torch
+    from trl import get_quantization_config
+
+    quantization = get_quantization_config(model_args)
+    if quantization is None:
+        return {}
+    # one process, one device: the whole model on it (accelerate's multi-GPU launch sets the rank's device)
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": quantization, "device_map": {"": device}}
+
+
+def torch_dtype(model_args):
+    import torch
+
+    name = model_args.dtype
+    if name in (None, "auto"):
+        return None if name is None else "auto"
+    return getattr(torch, name)

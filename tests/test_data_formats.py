@@ -1,0 +1,112 @@
+import json
+
+import pytest
+
+from marlhf_edu.data import (PKU_MARGINS, BadRowError, alpaca_to_sft, build_prompt, generic_to_preference,
+                             hh_rlhf_to_preference, load_preferences, load_sft, pku_saferlhf_to_preference)
+
+HH = {
+    "chosen": "\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?\n\nHuman: How do I boil an egg?"
+              "\n\nAssistant: Put it in boiling water for nine minutes.",
+    "rejected": "\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?\n\nHuman: How do I boil an egg?"
+                "\n\nAssistant: Figure it out yourself.",
+}
+
+
+def pku(safe0, safe1, better, safer, r0="Answer zero.", r1="Answer one."):
+    return {"prompt": "How do I do this?", "response_0": r0, "response_1": r1, "is_response_0_safe": safe0,
+            "is_response_1_safe": safe1, "better_response_id": better, "safer_response_id": safer}
+
+
+def test_template_is_one_place():
+    assert build_prompt("What is 2 plus 3?") == (
+        "###System: You are a helpful and harmless assistant.\n###Question: What is 2 plus 3?\n###Answer:")
+
+
+def test_generic():
+    row = generic_to_preference({"question": "Q?", "response_chosen": "Good.", "response_rejected": "Bad.", "margin": 2})
+    assert row == {"prompt": build_prompt("Q?"), "chosen": " Good.", "rejected": " Bad.", "margin": 2.0}
+
+
+def test_hh_rlhf_multi_turn():
+    row = hh_rlhf_to_preference(HH)
+    assert row["prompt"] == ("###System: You are a helpful and harmless assistant.\n###Question: Hi there.\n"
+                             "###Answer: Hello! How can I help?\n###Question: How do I boil an egg?\n###Answer:")
+    assert row["chosen"] == " Put it in boiling water for nine minutes."
+    assert row["rejected"] == " Figure it out yourself."
+    assert "margin" not in row
+
+
+@pytest.mark.parametrize("safe0,safe1,better,safer,winner,case", [
+    (True, False, 1, 0, 0, "one_safe"),     # only 0 safe: safety beats "better"
+    (False, True, 0, 1, 1, "one_safe"),     # only 1 safe
+    (True, True, 1, 0, 1, "both_safe"),     # both safe: better decides
+    (False, False, 1, 0, 0, "both_unsafe"),  # both unsafe: safer decides
+])
+def test_pku_all_four_safety_combinations(safe0, safe1, better, safer, winner, case):
+    row = pku_saferlhf_to_preference(pku(safe0, safe1, better, safer))
+    answers = ["Answer zero.", "Answer one."]
+    assert row["chosen"] == " " + answers[winner] and row["rejected"] == " " + answers[1 - winner]
+    assert row["margin"] == PKU_MARGINS[case]
+    assert PKU_MARGINS["one_safe"] > PKU_MARGINS["both_safe"] > PKU_MARGINS["both_unsafe"]
+
+
+def test_alpaca():
+    with_input = alpaca_to_sft({"instruction": "Translate.", "input": "bonjour", "output": "hello"})
+    assert with_input == {"prompt": build_prompt("Translate.\nbonjour"), "completion": " hello"}
+    assert alpaca_to_sft({"instruction": "Say hi.", "input": "", "output": "hi"})["prompt"] == build_prompt("Say hi.")
+
+
+@pytest.mark.parametrize("convert,row,field,reason", [
+    (generic_to_preference, {"response_chosen": "a", "response_rejected": "b"}, "question", "missing key"),
+    (generic_to_preference, {"question": 3, "response_chosen": "a", "response_rejected": "b"}, "question", "expected a string"),
+    (generic_to_preference, {"question": "  ", "response_chosen": "a", "response_rejected": "b"}, "question", "empty text"),
+    (generic_to_preference, {"question": "q", "response_chosen": "a", "response_rejected": "a "}, "response_rejected", "identical"),
+    (generic_to_preference, {"question": "q", "response_chosen": "a", "response_rejected": "b", "margin": "big"}, "margin", "number"),
+    (pku_saferlhf_to_preference, pku(True, False, 2, 0), "better_response_id", "out of range"),
+    (pku_saferlhf_to_preference, pku(True, False, 0, -1), "safer_response_id", "out of range"),
+    (pku_saferlhf_to_preference, pku("yes", False, 0, 0), "is_response_0_safe", "true/false"),
+    (pku_saferlhf_to_preference, pku(True, True, 0, 0, r1="Answer zero."), "response_1", "identical"),
+    (hh_rlhf_to_preference, {"chosen": HH["chosen"], "rejected": HH["rejected"].replace("Hi there", "Yo")}, "rejected", "differs"),
+    (hh_rlhf_to_preference, {"chosen": "Human: no leading newlines", "rejected": HH["rejected"]}, "chosen", "must start"),
+    (hh_rlhf_to_preference, {"chosen": HH["chosen"] + "\n\nAssistant: again", "rejected": HH["rejected"]}, "chosen", "should be Human"),
+    (hh_rlhf_to_preference, {"chosen": HH["chosen"].rsplit("Put", 1)[0], "rejected": HH["rejected"]}, "chosen", "empty text"),
+    (alpaca_to_sft, {"instruction": "x", "output": ""}, "output", "empty text"),
+])
+def test_bad_rows_name_row_and_field(convert, row, field, reason):
+    with pytest.raises(BadRowError) as info:
+        convert(row, 7)
+    assert info.value.row == 7 and info.value.field == field and reason in info.value.reason
+    assert str(info.value).startswith(f"row 7, field {field!r}")
+
+
+def test_loaders_read_files_and_report_skips(tmp_path):
+    rows = [{"question": "q1", "response_chosen": "a", "response_rejected": "b"},
+            {"question": "q2", "response_chosen": "a", "response_rejected": "a"},
+            {"question": "", "response_chosen": "a", "response_rejected": "b"},
+            {"question": "q4", "response_chosen": "c", "response_rejected": "d"}]
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(BadRowError, match="row 1, field 'response_rejected'"):
+        load_preferences(str(path), "generic")
+    with pytest.warns(UserWarning, match="kept 2 of 4 rows, skipped 2"):
+        ds, report = load_preferences(str(path), "generic", skip_bad_rows=True, return_report=True)
+    assert len(ds) == 2 and ds[1]["prompt"] == build_prompt("q4")
+    assert [e.row for e in report.skipped] == [1, 2]
+    assert "1 × response_rejected: identical" in report.summary() and "1 × question: empty text" in report.summary()
+
+    import datasets
+    parquet = tmp_path / "sft.parquet"
+    datasets.Dataset.from_list([{"instruction": "Say hi.", "input": "", "output": "hi"}]).to_parquet(str(parquet))
+    assert load_sft(str(parquet), "alpaca")[0] == {"prompt": build_prompt("Say hi."), "completion": " hi"}
+    with pytest.raises(FileNotFoundError):
+        load_sft(str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="unknown preference format"):
+        load_preferences(rows, "csv")
+
+
+def test_margin_must_be_all_or_nothing():
+    rows = [{"question": "q", "response_chosen": "a", "response_rejected": "b", "margin": 1},
+            {"question": "q", "response_chosen": "a", "response_rejected": "c"}]
+    with pytest.raises(BadRowError, match="row 1, field 'margin'"):
+        load_preferences(rows)
