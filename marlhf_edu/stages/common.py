@@ -5,6 +5,18 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DataArguments:
+    """Where a stage's data comes from: the toy world or a file / hub dataset in a named format."""
+
+    dataset_name: str = field(default="toy", metadata={"help": "'toy', a .json/.jsonl/.parquet file or a hub dataset"})
+    dataset_format: str = field(default="", metadata={"help": "format of the rows (see marlhf_edu.data)"})
+    dataset_split: str = field(default="train", metadata={"help": "split of a hub dataset"})
+    skip_bad_rows: bool = field(default=False, metadata={"help": "skip (and report) rows that cannot be converted"})
+    toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
 
 
 class ConfigError(ValueError):

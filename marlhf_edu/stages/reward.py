@@ -15,14 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.stages.common import DataArguments
+
 
 @dataclass
-class RMScriptArguments:
-    dataset_name: str = field(default="toy", metadata={"help": "'toy', a .json/.jsonl/.parquet file or a hub dataset"})
+class RMScriptArguments(DataArguments):
     dataset_format: str = field(default="pku-saferlhf", metadata={"help": "generic, hh-rlhf, pku-saferlhf or trl"})
-    dataset_split: str = field(default="train", metadata={"help": "split of a hub dataset"})
-    skip_bad_rows: bool = field(default=False, metadata={"help": "skip (and report) rows that cannot be converted"})
-    toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
     eval_pairs: int = field(default=400, metadata={"help": "held-out toy pairs scored after training (toy data only)"})
 
 

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.stages.common import DataArguments
+
 
 @dataclass
-class SFTScriptArguments:
-    dataset_name: str = field(default="toy", metadata={"help": "'toy', a .json/.jsonl/.parquet file or a hub dataset"})
+class SFTScriptArguments(DataArguments):
     dataset_format: str = field(default="prompt-completion", metadata={"help": "'alpaca' or 'prompt-completion'"})
-    dataset_split: str = field(default="train", metadata={"help": "split of a hub dataset"})
-    skip_bad_rows: bool = field(default=False, metadata={"help": "skip (and report) rows that cannot be converted"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "defaults to the model's, or the toy tokenizer"})
-    toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
 
 
 def load_sft_data(script_args):
