@@ -33,7 +33,7 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                       position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     last = hidden[rows, last_valid_index(attention_mask)]
-    return seqcls.score(last.to(seqcls.score.weight.dtype if hasattr(seqcls.score, "weight") else last.dtype)).squeeze(-1).float()
+    return seqcls.score(last).squeeze(-1).float()
 
 
 @torch.no_grad()
