@@ -58,3 +58,27 @@ def setup(seed: int = 0) -> None:
                                     "grid.alpha": 0.3, "svg.hashsalt": "marlhf-edu"})
     except ImportError:  # plotting is optional outside the book
         pass
+
+
+class quietly:
+    """Context manager: run library code (a trl trainer, say) with its console output captured.
+
+    Trainers print timing-dependent log lines; the chapters print the numbers
+    they teach themselves, rounded, so stored outputs stay reproducible.
+    The captured text stays available as `.stdout` / `.stderr`.
+    """
+
+    def __enter__(self):
+        import contextlib
+        import io
+
+        self._out, self._err = io.StringIO(), io.StringIO()
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(contextlib.redirect_stdout(self._out))
+        self._stack.enter_context(contextlib.redirect_stderr(self._err))
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        self.stdout, self.stderr = self._out.getvalue(), self._err.getvalue()
+        return False

@@ -229,3 +229,64 @@ def check_policy_loss(fn: Callable) -> CheckReport:
         case("large policy change (clip active)", 0.6 * torch.randn(4, 6, generator=gen)),
         case("garbage in padding", torch.where(mask.bool(), 0.1, 50.0)),
     ])
+
+
+def check_pku_preference(fn: Callable) -> CheckReport:
+    """Check `fn(row) -> (chosen, rejected, margin)` on PKU-SafeRLHF rows. Chapter 06's exercise.
+
+    Covers the four safety cases (only 0 safe, only 1 safe, both safe, both
+    unsafe) with `better_response_id` and `safer_response_id` pointing both ways,
+    against `pku_saferlhf_to_preference` (responses compared as raw text).
+    """
+    from marlhf_edu.data.formats import pku_saferlhf_to_preference
+    from marlhf_edu.data.template import format_completion
+
+    def case(safe0, safe1, better, safer):
+        row = {"prompt": "q", "response_0": "answer zero", "response_1": "answer one",
+               "is_response_0_safe": safe0, "is_response_1_safe": safe1,
+               "better_response_id": better, "safer_response_id": safer}
+        label = f"safe=({safe0}, {safe1}), better={better}, safer={safer}"
+
+        def run():
+            got = fn(dict(row))
+            if not isinstance(got, (tuple, list)) or len(got) != 3:
+                return f"{label}: expected a tuple (chosen, rejected, margin)"
+            ref = pku_saferlhf_to_preference(row)
+            names = {format_completion(row[k]): row[k] for k in ("response_0", "response_1")}
+            want = (names[ref["chosen"]], names[ref["rejected"]], ref["margin"])
+            if (got[0], got[1]) != want[:2]:
+                return f"{label}: chose {got[0]!r} over {got[1]!r}, expected {want[0]!r} over {want[1]!r}"
+            if float(got[2]) != want[2]:
+                return f"{label}: margin {got[2]}, expected {want[2]}"
+            return None
+        return label, run
+
+    return _run("check_pku_preference", [case(s0, s1, b, s) for s0, s1 in ((True, False), (False, True), (True, True),
+                                                                           (False, False)) for b, s in ((0, 1), (1, 0))])
+
+
+def check_position_ids(fn: Callable) -> CheckReport:
+    """Check `fn(attention_mask) -> position_ids` (B, T): real tokens numbered 0, 1, … whatever the padding.
+
+    Only real tokens are compared (what a model puts at padded positions is
+    irrelevant). Chapter 07's exercise.
+    """
+    from marlhf_edu.scoring import position_ids_from_mask
+
+    gen = torch.Generator().manual_seed(7)
+
+    def case(label, mask):
+        def run():
+            got = fn(mask.clone())
+            if not isinstance(got, torch.Tensor) or got.shape != mask.shape:
+                return f"{label}: expected a tensor of shape {tuple(mask.shape)}"
+            real = mask.bool()
+            return _compare(label + " (real tokens)", got[real].double(), position_ids_from_mask(mask)[real].double(), 0, 0)
+        return label, run
+
+    return _run("check_position_ids", [
+        case("no padding", torch.ones(3, 6, dtype=torch.long)),
+        case("right padding", _padded_mask(gen, 4, 7).long()),
+        case("left padding", _padded_mask(gen, 4, 7, left=True).long()),
+        case("single real token", torch.tensor([[0, 0, 0, 1], [1, 0, 0, 0]])),
+    ])

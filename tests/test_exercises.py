@@ -41,3 +41,28 @@ def test_a_crashing_solution_is_reported_not_raised():
     report = ex.check_gae_advantages(broken)
     assert not report and "raised RuntimeError: not implemented" in repr(report)
     assert len(report.failures) == len(report.cases)
+
+
+def _pku_reference(row):
+    safe = [row["is_response_0_safe"], row["is_response_1_safe"]]
+    if safe[0] != safe[1]:
+        winner, margin = (0 if safe[0] else 1), 3.0
+    elif safe[0]:
+        winner, margin = row["better_response_id"], 1.0
+    else:
+        winner, margin = row["safer_response_id"], 0.0
+    return row[f"response_{winner}"], row[f"response_{1 - winner}"], margin
+
+
+def test_data_chapter_checkers():
+    from marlhf_edu.scoring import position_ids_from_mask
+
+    assert ex.check_pku_preference(_pku_reference)
+    # helpfulness first (ignores safety) and "safer decides always" are the classic mistakes
+    assert not ex.check_pku_preference(lambda r: (r[f"response_{r['better_response_id']}"],
+                                                  r[f"response_{1 - r['better_response_id']}"], 1.0))
+    assert not ex.check_pku_preference(lambda r: (r[f"response_{r['safer_response_id']}"],
+                                                  r[f"response_{1 - r['safer_response_id']}"], 3.0))
+    assert ex.check_position_ids(position_ids_from_mask)
+    assert not ex.check_position_ids(lambda m: torch.arange(m.shape[1]).expand_as(m))
+    assert not ex.check_position_ids(lambda m: m.long().cumsum(-1))  # off by one
