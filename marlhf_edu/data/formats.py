@@ -210,7 +210,7 @@ SFT_FORMATS: dict[str, Callable] = {"alpaca": alpaca_to_sft, "prompt-completion"
 # ---- loaders ------------------------------------------------------------------------------
 
 
-def _rows(source: Any, split: str) -> Iterable[dict]:
+def read_rows(source: Any, split: str) -> Iterable[dict]:
     """Rows of a local JSON/JSONL/Parquet file, a hub dataset name, a `datasets.Dataset` or a list of dicts."""
     if isinstance(source, list):
         return source
@@ -234,7 +234,7 @@ def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, sys
         raise ValueError(f"unknown {kind} format {fmt!r}; choose one of {', '.join(table)}")
     convert = table[fmt]
     report, out = LoadReport(), []
-    for i, row in enumerate(_rows(source, split)):
+    for i, row in enumerate(read_rows(source, split)):
         report.total += 1
         try:
             if not isinstance(row, dict):

@@ -1,0 +1,11 @@
+"""Our PPO engine: one loop (`trainer`), interchangeable model backends (`backends`).
+
+Taught in chapter 08 (four models) and chapter 09 (one base, many adapters).
+"""
+
+from marlhf_edu.ppo.backends import FourModelBackend, PPOBackend, ValueModel
+from marlhf_edu.ppo.config import PPOConfig
+from marlhf_edu.ppo.trainer import PPOTrainer, Rollout, evaluate_toy, read_metrics, response_mask_from_ids
+
+__all__ = ["PPOConfig", "PPOBackend", "FourModelBackend", "ValueModel", "PPOTrainer", "Rollout",
+           "response_mask_from_ids", "evaluate_toy", "read_metrics"]

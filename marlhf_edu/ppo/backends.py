@@ -1,0 +1,244 @@
+"""The models behind the PPO loop, behind one interface.
+
+The loop (`marlhf_edu.ppo.trainer`) asks four questions of its models:
+
+- `generate`: sample responses to left-padded prompts;
+- `policy_forward`: log-probs of the response tokens under the policy, the
+  critic's values before each of them, and (optionally) the policy entropy,
+  with the graph kept for the PPO update;
+- `reference_logprobs`: log-probs under the frozen reference;
+- `scores`: the reward model's score of each whole sequence.
+
+`FourModelBackend` answers them with four separate models (actor, critic,
+reward model, reference), as in classic RLHF-PPO. The multi-adapter backend of
+chapter 09 answers the same questions with one base model and adapters, and
+the loop does not change.
+
+Sequences are `(B, P + R)`: P left-padded prompt tokens then R response tokens;
+`attention_mask` covers real prompt tokens and the response up to and including
+its first EOS. Position ids always come from the mask, so a left-padded prompt
+gives the same numbers as the unpadded one.
+
+Taught in chapter 08.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
+from marlhf_edu.scoring import position_ids_from_mask, sequence_scores
+
+
+def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int,
+                    temperature: float) -> torch.Tensor:
+    """(B, R, V) logits that predict the R response tokens, divided by the sampling temperature.
+
+    Only the last R + 1 positions go through the LM head (`logits_to_keep`):
+    the prompt's logits are never materialised, which at V = 32000 is most of
+    the memory of a forward pass.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                logits_to_keep=n_response + 1, use_cache=False)
+    return out.logits[:, :-1] / temperature
+
+
+def sequence_logprobs(model, input_ids, attention_mask, n_response: int, temperature: float,
+                      with_entropy: bool = False):
+    """Log-probs (B, R) of the response tokens under `model`, and their entropy (B, R) if asked."""
+    logits = response_logits(model, input_ids, attention_mask, n_response, temperature)
+    logprobs = logprobs_from_logits(logits, input_ids[:, -n_response:])
+    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+
+
+class ValueModel(nn.Module):
+    """Critic: a transformer backbone and a scalar value head on every position's last hidden state.
+
+    The head starts at **zero** (weight and bias), so every value is 0 before the
+    first update: the first advantages are then the plain discounted rewards, and
+    no random head injects noise into them. A test checks it.
+    """
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+
+
+def response_values(values_full: torch.Tensor, n_response: int) -> torch.Tensor:
+    """(B, P + R) per-position values → (B, R): V(state before response token t), read at position P + t − 1."""
+    return values_full[:, -n_response - 1:-1]
+
+
+class PPOBackend:
+    """The interface the PPO loop uses. Subclasses hold the models.
+
+    Attributes: `tokenizer`, `device`. Every method takes and returns tensors on `device`.
+    """
+
+    tokenizer = None
+    device = torch.device("cpu")
+
+    def generate(self, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
+                 top_p: float = 1.0) -> torch.Tensor:
+        """Sample with the KV cache; returns (B, P + R) token ids (R ≤ max_new_tokens)."""
+        raise NotImplementedError
+
+    def policy_forward(self, input_ids, attention_mask, n_response: int, temperature: float,
+                       with_entropy: bool = False):
+        """`(logprobs, values, entropy_or_None)`, each (B, R), differentiable w.r.t. the trainable parameters."""
+        raise NotImplementedError
+
+    def reference_logprobs(self, input_ids, attention_mask, n_response: int, temperature: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scores(self, input_ids, attention_mask) -> torch.Tensor:
+        """(B,) reward-model scores read at each row's last real token."""
+        raise NotImplementedError
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Trainable parameters by group ('policy', 'value'); the optimizer gives each group its learning rate."""
+        raise NotImplementedError
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every trainable tensor by a stable name (what a checkpoint saves)."""
+        raise NotImplementedError
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def models(self) -> dict[str, nn.Module]:
+        """The distinct modules, for memory accounting and freeze checks."""
+        raise NotImplementedError
+
+
+class quiet_loading:
+    """Silence transformers' load reports for the expected mismatches (a causal-LM checkpoint loaded as a bare
+    backbone drops `lm_head`; a classifier built on it gets a fresh `score` that the adapter then replaces)."""
+
+    def __enter__(self):
+        from transformers.utils import logging
+
+        self._level = logging.get_verbosity()
+        logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging
+
+        logging.set_verbosity(self._level)
+        return False
+
+
+def _check_tokenizer(tokenizer):
+    from marlhf_edu.stages.common import ConfigError
+
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ConfigError("the tokenizer's pad token must exist and differ from EOS: with pad = EOS the response mask "
+                          "cannot tell the end of an answer from padding")
+
+
+class FourModelBackend(PPOBackend):
+    """Actor, critic, reward model and reference as four separate models (classic RLHF-PPO).
+
+    - actor: the SFT model, trainable (all weights, or a LoRA adapter when `actor_lora_r > 0`);
+    - critic: `ValueModel` on a second copy of the SFT backbone, trainable, zero-initialised head;
+    - reference: a third copy of the SFT model, frozen;
+    - reward: the reward model (backbone + LoRA adapter + score head), frozen.
+    All four stay in eval mode: dropout off, so a re-computed log-prob equals the rollout's.
+    """
+
+    def __init__(self, actor, critic: ValueModel, reference, reward, tokenizer, reward_tokenizer=None):
+        from marlhf_edu.stages.common import ConfigError
+
+        _check_tokenizer(tokenizer)
+        if reward_tokenizer is not None and reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError("the reward model's tokenizer differs from the policy's: its scores of the policy's "
+                              "token ids would be meaningless (re-train the reward model on the policy's tokenizer)")
+        for name, m in (("reference", reference), ("reward model", reward), ("critic", critic.backbone)):
+            if m.config.vocab_size != actor.config.vocab_size:
+                raise ConfigError(f"the {name}'s vocabulary ({m.config.vocab_size}) differs from the actor's "
+                                  f"({actor.config.vocab_size})")
+        self.actor, self.critic, self.reference, self.reward = actor, critic, reference, reward
+        self.tokenizer = tokenizer
+        self.device = next(actor.parameters()).device
+        for frozen in (reference, reward):
+            frozen.requires_grad_(False)
+        for m in self.models().values():
+            m.eval()
+
+    @classmethod
+    def from_config(cls, config) -> "FourModelBackend":
+        with quiet_loading():
+            return cls._from_config(config)
+
+    @classmethod
+    def _from_config(cls, config) -> "FourModelBackend":
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
+
+        sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
+        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+        device = config.resolved_device
+        tokenizer = load_tokenizer(sft)
+        actor = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
+        if config.actor_lora_r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", r=config.actor_lora_r, lora_dropout=0.0,
+                                                     lora_alpha=config.actor_lora_alpha,
+                                                     target_modules=list(config.lora_target_modules)))
+        critic = ValueModel(AutoModel.from_pretrained(str(sft))).to(device)
+        reference = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
+        reward, reward_tokenizer = load_reward_model(config.reward_base_path or sft, adapter)
+        return cls(actor, critic, reference, reward.to(device), tokenizer, reward_tokenizer)
+
+    def models(self):
+        return {"actor": self.actor, "critic": self.critic, "reference": self.reference, "reward": self.reward}
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask, *, max_new_tokens, temperature, top_k=0, top_p=1.0):
+        return self.actor.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                                   pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+
+    def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
+        logprobs, entropy = sequence_logprobs(self.actor, input_ids, attention_mask, n_response, temperature, with_entropy)
+        values = response_values(self.critic(input_ids, attention_mask), n_response)
+        return logprobs, values, entropy
+
+    @torch.no_grad()
+    def reference_logprobs(self, input_ids, attention_mask, n_response, temperature):
+        return sequence_logprobs(self.reference, input_ids, attention_mask, n_response, temperature)[0]
+
+    @torch.no_grad()
+    def scores(self, input_ids, attention_mask):
+        return sequence_scores(self.reward, input_ids, attention_mask)
+
+    def parameter_groups(self):
+        return {"policy": [p for p in self.actor.parameters() if p.requires_grad],
+                "value": [p for p in self.critic.parameters() if p.requires_grad]}
+
+    def trainable_state_dict(self):
+        out = {}
+        for prefix, module in (("actor.", self.actor), ("critic.", self.critic)):
+            out.update({prefix + n: p.detach() for n, p in module.named_parameters() if p.requires_grad})
+        return out
+
+    def load_trainable_state_dict(self, state):
+        current = self.trainable_state_dict()
+        missing, unexpected = set(current) - set(state), set(state) - set(current)
+        if missing or unexpected:
+            raise KeyError(f"checkpoint does not match the models: missing {sorted(missing)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]}")
+        with torch.no_grad():
+            for name, tensor in current.items():
+                tensor.copy_(state[name])

@@ -1,0 +1,121 @@
+"""Configuration of a PPO run: one dataclass, read from YAML with command-line overrides.
+
+    marlhf-edu ppo --config configs/tiny_ppo.yaml --total_steps 50
+
+Defaults follow trl 0.11's `PPOConfig` where it had one (vf_coef 0.1,
+cliprange 0.2, ratio_threshold 10, adaptive KL init 0.2 / target 6 /
+horizon 10000, gamma 1, lam 0.95). `validate` checks everything that can be
+checked before a model is loaded; the engines check the rest (pad ≠ EOS,
+vocabularies) right after loading, before the first step.
+
+Taught in chapter 08.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marlhf_edu.kl import KL_KINDS
+from marlhf_edu.stages.common import ConfigError
+
+#: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
+TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
+
+
+@dataclass
+class PPOConfig:
+    # ---- models ---------------------------------------------------------------------------
+    sft_model_path: str = field(default="zoo", metadata={"help": "SFT model directory; 'zoo' = the shipped tiny one"})
+    reward_adapter_path: str = field(default="zoo", metadata={"help": "reward LoRA adapter (with score head); 'zoo' = shipped"})
+    reward_base_path: str = field(default="", metadata={"help": "base of the reward adapter; empty = sft_model_path"})
+    actor_lora_r: int = field(default=0, metadata={"help": "LoRA rank of the actor; 0 = train all its weights"})
+    actor_lora_alpha: int = field(default=16)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "gate_proj", "up_proj", "down_proj"])
+    # ---- data -----------------------------------------------------------------------------
+    dataset_name: str = field(default="toy", metadata={"help": "'toy' or a .json/.jsonl/.parquet file / hub dataset with a 'prompt' column"})
+    dataset_split: str = field(default="train")
+    apply_template: bool = field(default=True, metadata={"help": "render each 'prompt' with the book's template"})
+    max_prompt_length: int = field(default=64, metadata={"help": "longer prompts are an error, never truncated silently"})
+    toy_seed: int = field(default=0)
+    # ---- batch shape ----------------------------------------------------------------------
+    total_steps: int = field(default=100, metadata={"help": "PPO steps (one batch of rollouts each)"})
+    batch_size: int = field(default=64, metadata={"help": "rollouts per step"})
+    mini_batch_size: int = field(default=16, metadata={"help": "rollouts per optimizer step"})
+    micro_batch_size: int = field(default=16, metadata={"help": "rollouts per forward/backward (gradient accumulation)"})
+    forward_batch_size: int = field(default=64, metadata={"help": "rollouts per no-grad forward (scoring, old/ref log-probs)"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch of rollouts"})
+    # ---- sampling -------------------------------------------------------------------------
+    max_new_tokens: int = field(default=32)
+    temperature: float = field(default=1.0, metadata={"help": "divides the logits in sampling and in scoring alike"})
+    top_k: int = field(default=0, metadata={"help": "0 = off; anything else makes log-probs differ from the sampler"})
+    top_p: float = field(default=1.0)
+    # ---- scores ---------------------------------------------------------------------------
+    missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
+    score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
+    whiten_scores: bool = field(default=False, metadata={"help": "whiten scores across the batch"})
+    score_clip: float | None = field(default=None, metadata={"help": "clip scores to ±score_clip (after the above)"})
+    # ---- KL -------------------------------------------------------------------------------
+    kl_coef: float = field(default=0.2, metadata={"help": "β, or its initial value when adaptive"})
+    adaptive_kl: bool = field(default=True)
+    adaptive_kl_target: float = field(default=6.0, metadata={"help": "target KL (summed over a response)"})
+    adaptive_kl_horizon: float = field(default=10000.0)
+    kl_estimator: str = field(default="k1", metadata={"help": "estimator in the per-token penalty: " + ", ".join(TOKEN_KL_KINDS)})
+    early_stopping: bool = field(default=False, metadata={"help": "stop the PPO epochs when policykl > 1.5 × early_stopping_target_kl"})
+    early_stopping_target_kl: float = field(default=1.0)
+    # ---- PPO ------------------------------------------------------------------------------
+    gamma: float = field(default=1.0)
+    lam: float = field(default=0.95)
+    cliprange: float = field(default=0.2)
+    cliprange_value: float = field(default=0.2)
+    vf_coef: float = field(default=0.1)
+    entropy_coef: float = field(default=0.0)
+    ratio_threshold: float = field(default=10.0, metadata={"help": "skip a minibatch whose mean ratio exceeds this"})
+    whiten_advantages: bool = field(default=True)
+    learning_rate: float = field(default=1e-5, metadata={"help": "actor learning rate (AdamW)"})
+    critic_learning_rate: float | None = field(default=None, metadata={"help": "defaults to learning_rate"})
+    weight_decay: float = field(default=0.0)
+    adam_eps: float = field(default=1e-8)
+    max_grad_norm: float | None = field(default=1.0)
+    # ---- run ------------------------------------------------------------------------------
+    output_dir: str = field(default="runs/ppo")
+    seed: int = field(default=0)
+    device: str = field(default="auto", metadata={"help": "'auto' (cuda if available), 'cpu' or 'cuda'"})
+    save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    resume: bool = field(default=False, metadata={"help": "continue from output_dir's latest checkpoint"})
+    report_to: str = field(default="none", metadata={"help": "'none' or a tracker accelerate knows ('tensorboard', 'wandb', ...)"})
+    eval_repeats: int = field(default=4, metadata={"help": "toy data: evaluate the policy before and after (0 = skip)"})
+
+    def validate(self) -> "PPOConfig":
+        """Raise `ConfigError` naming the first inconsistent setting."""
+        def need(ok, message):
+            if not ok:
+                raise ConfigError(message)
+
+        for name in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "forward_batch_size",
+                     "ppo_epochs", "max_new_tokens", "max_prompt_length"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        need(self.batch_size % self.mini_batch_size == 0,
+             f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size ({self.mini_batch_size})")
+        need(self.mini_batch_size % self.micro_batch_size == 0,
+             f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")
+        need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        need(self.top_k >= 0 and 0 < self.top_p <= 1, f"need top_k >= 0 and 0 < top_p <= 1, got {self.top_k}, {self.top_p}")
+        need(self.kl_estimator in TOKEN_KL_KINDS, f"kl_estimator must be one of {TOKEN_KL_KINDS}, got {self.kl_estimator!r}")
+        need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
+        need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")
+        need(self.cliprange > 0 and self.cliprange_value > 0, "cliprange and cliprange_value must be > 0")
+        need(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
+        need(self.actor_lora_r >= 0, f"actor_lora_r must be >= 0, got {self.actor_lora_r}")
+        need(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        return self
+
+    @property
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device

@@ -1,0 +1,395 @@
+"""The PPO loop of RLHF, on any backend (four models, or one base with adapters).
+
+One step, top to bottom (`PPOTrainer.step`):
+
+1. rollout   — sample responses to a batch of left-padded prompts (KV cache);
+               the response mask keeps the first EOS and drops everything after;
+2. score     — one batched reward-model call per chunk, read at the last real token;
+               optional missing-EOS penalty, baseline, whitening, clipping;
+3. old log-probs, values (policy + critic) and reference log-probs, no grad;
+4. rewards   — `token_level_rewards`: −β·KL on every token, the score on the last;
+5. advantages— `gae_advantages`, then `masked_whiten`;
+6. update    — `ppo_epochs` passes over shuffled minibatches, each accumulated over
+               micro-batches, `ppo_loss` (with its ratio-threshold skip), gradient
+               clipping, optional early stop when policykl > 1.5 × target;
+7. KL controller update with the batch's mean KL.
+
+Every formula comes from the foundation modules; this file only schedules them.
+Taught in chapter 08.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+
+from marlhf_edu.gae import gae_advantages
+from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
+from marlhf_edu.masked import masked_mean, masked_var, masked_whiten
+from marlhf_edu.ppo.backends import PPOBackend
+from marlhf_edu.ppo.config import PPOConfig
+from marlhf_edu.ppo_objective import ppo_loss
+from marlhf_edu.stages.common import ConfigError
+
+#: Keys of a step record that measure time; everything else is a deterministic function of the run.
+TIMING_KEYS = ("time/step_s", "time/rollout_s", "time/update_s", "time/tokens_per_s")
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, R) ids → (B, R) bool mask: every token up to and including the first EOS.
+
+    Tokens after the first EOS (padding from `generate`, or anything else) are
+    out; a response that never emits EOS keeps all R tokens.
+    """
+    is_eos = response_ids == eos_token_id
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
+    return eos_before == 0
+
+
+@dataclass
+class Rollout:
+    """One batch of experience. Token tensors are (B, P + R); per-response-token tensors are (B, R)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    raw_scores: torch.Tensor  # (B,) the reward model's scores
+    scores: torch.Tensor  # (B,) after penalty / baseline / whitening / clipping: what PPO optimises
+    has_eos: torch.Tensor  # (B,)
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    entropy: torch.Tensor
+    rewards: torch.Tensor
+    kls: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+    @property
+    def n_response(self) -> int:
+        return self.response_mask.shape[1]
+
+    def texts(self, tokenizer) -> tuple[list[str], list[str]]:
+        """Decoded (prompts, responses), special tokens dropped."""
+        prompt = self.input_ids[:, :-self.n_response]
+        response = torch.where(self.response_mask, self.input_ids[:, -self.n_response:], tokenizer.pad_token_id)
+        return (tokenizer.batch_decode(prompt, skip_special_tokens=True),
+                tokenizer.batch_decode(response, skip_special_tokens=True))
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(1)
+
+
+class PPOTrainer:
+    """Runs PPO on `backend` over `prompts` (already rendered with the template)."""
+
+    def __init__(self, backend: PPOBackend, config: PPOConfig, prompts: list[str]):
+        self.backend, self.config, self.tokenizer = backend, config.validate(), backend.tokenizer
+        if not prompts:
+            raise ConfigError("no prompts to train on")
+        lengths = [len(ids) for ids in self.tokenizer(prompts)["input_ids"]]
+        too_long = [i for i, n in enumerate(lengths) if n > config.max_prompt_length]
+        if too_long:
+            raise ConfigError(f"{len(too_long)} prompt(s) exceed max_prompt_length={config.max_prompt_length} tokens "
+                              f"(first rows: {too_long[:5]}, longest {max(lengths)}); raise it or filter them")
+        self.prompts = list(prompts)
+        groups = backend.parameter_groups()
+        lrs = {"policy": config.learning_rate, "value": config.critic_learning_rate or config.learning_rate}
+        self.optimizer = torch.optim.AdamW(
+            [{"params": params, "lr": lrs[name], "name": name} for name, params in groups.items() if params],
+            lr=config.learning_rate, eps=config.adam_eps, weight_decay=config.weight_decay)
+        self.kl_controller = (AdaptiveKLController(config.kl_coef, config.adaptive_kl_target, config.adaptive_kl_horizon)
+                              if config.adaptive_kl else FixedKLController(config.kl_coef))
+        self.shuffle = torch.Generator().manual_seed(config.seed)
+        self.step_index = 0
+        self.output_dir = pathlib.Path(config.output_dir)
+
+    # ---- data ---------------------------------------------------------------------------
+
+    def batch_prompts(self, step: int) -> list[str]:
+        """The prompts of step `step`: a deterministic function of (seed, step), so resuming needs only the step.
+
+        Prompts are visited in a fresh seeded permutation per pass over the data.
+        """
+        n, bs = len(self.prompts), self.config.batch_size
+        out = []
+        for k in range(step * bs, (step + 1) * bs):
+            epoch = k // n
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed * 100003 + epoch))
+            out.append(self.prompts[int(order[k % n])])
+        return out
+
+    # ---- rollout ------------------------------------------------------------------------
+
+    def _chunks(self, n: int, size: int):
+        return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[str]) -> Rollout:
+        cfg, tok, be = self.config, self.tokenizer, self.backend
+        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left").to(be.device)
+        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]
+        P, B = prompt_ids.shape[1], prompt_ids.shape[0]
+        chunks = self._chunks(B, cfg.forward_batch_size)
+
+        responses = [be.generate(prompt_ids[c], prompt_mask[c], max_new_tokens=cfg.max_new_tokens,
+                                 temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)[:, P:] for c in chunks]
+        R = max(r.shape[1] for r in responses)
+        response = torch.cat([torch.nn.functional.pad(r, (0, R - r.shape[1]), value=tok.pad_token_id) for r in responses])
+        response_mask = response_mask_from_ids(response, tok.eos_token_id)
+        response = torch.where(response_mask, response, tok.pad_token_id)
+        input_ids = torch.cat([prompt_ids, response], dim=1)
+        attention_mask = torch.cat([prompt_mask.bool(), response_mask], dim=1).long()
+
+        raw_scores = torch.cat([be.scores(input_ids[c], attention_mask[c]) for c in chunks]).float()
+        has_eos = ((response == tok.eos_token_id) & response_mask).any(dim=1)
+        scores = self.transform_scores(raw_scores, has_eos)
+
+        logprobs, values, entropy, ref_logprobs = [], [], [], []
+        for c in chunks:
+            lp, v, ent = be.policy_forward(input_ids[c], attention_mask[c], R, cfg.temperature, with_entropy=True)
+            logprobs.append(lp); values.append(v); entropy.append(ent)
+            ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
+        logprobs, values, entropy, ref_logprobs = (torch.cat(x).float() for x in (logprobs, values, entropy, ref_logprobs))
+
+        rewards, _, kls = token_level_rewards(scores, logprobs, ref_logprobs, response_mask, self.kl_controller.value,
+                                              cfg.kl_estimator)
+        advantages, returns = gae_advantages(values, rewards, response_mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, response_mask)
+        return Rollout(input_ids, attention_mask, response_mask, raw_scores, scores, has_eos, logprobs, ref_logprobs,
+                       values, entropy, rewards, kls, advantages, returns)
+
+    def transform_scores(self, raw: torch.Tensor, has_eos: torch.Tensor) -> torch.Tensor:
+        """Missing-EOS penalty, baseline, whitening, clipping — in that order, each only if configured."""
+        cfg, scores = self.config, raw.clone()
+        if cfg.missing_eos_penalty is not None:
+            scores = torch.where(has_eos, scores, scores - cfg.missing_eos_penalty)
+        scores = scores - cfg.score_baseline
+        if cfg.whiten_scores and scores.numel() > 1:
+            scores = (scores - scores.mean()) / (scores.std() + 1e-8)
+        if cfg.score_clip is not None:
+            scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
+        return scores
+
+    # ---- update -------------------------------------------------------------------------
+
+    def update(self, r: Rollout) -> dict[str, float]:
+        """`ppo_epochs` passes of minibatch PPO on one rollout; returns mean statistics."""
+        cfg, be = self.config, self.backend
+        B = r.input_ids.shape[0]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        acc, skipped, epochs_run, stop = defaultdict(list), 0, 0, False
+        self.minibatch_stats = []  # one dict per optimizer step of this update (the tests read the first)
+        for _ in range(cfg.ppo_epochs):
+            epochs_run += 1
+            for mb in torch.randperm(B, generator=self.shuffle).to(r.input_ids.device).split(cfg.mini_batch_size):
+                self.optimizer.zero_grad(set_to_none=True)
+                mb_stats = defaultdict(list)
+                for micro in mb.split(cfg.micro_batch_size):
+                    logprobs, values, entropy = be.policy_forward(r.input_ids[micro], r.attention_mask[micro], r.n_response,
+                                                                  cfg.temperature, with_entropy=cfg.entropy_coef != 0)
+                    loss, stats = ppo_loss(logprobs.float(), r.logprobs[micro], r.advantages[micro], values.float(),
+                                           r.values[micro], r.returns[micro], r.response_mask[micro],
+                                           None if entropy is None else entropy.float(),
+                                           cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value,
+                                           vf_coef=cfg.vf_coef, ent_coef=cfg.entropy_coef,
+                                           ratio_threshold=cfg.ratio_threshold)
+                    (loss * (len(micro) / len(mb))).backward()
+                    for k, v in stats.items():
+                        mb_stats[k].append(float(v))
+                if cfg.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                self.optimizer.step()
+                self.minibatch_stats.append({k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v))
+                                             for k, v in mb_stats.items()})
+                for k, v in mb_stats.items():
+                    acc[k].append(max(v) if k == "policy/ratio_max" else sum(v) / len(v))
+                skipped += sum(mb_stats["skipped"])
+                if cfg.early_stopping and acc["policy/policykl"][-1] > 1.5 * cfg.early_stopping_target_kl:
+                    stop = True
+                    break
+            if stop:
+                break
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in acc.items() if k != "skipped"}
+        out["ppo/skipped_minibatches"] = skipped
+        out["ppo/epochs"] = epochs_run
+        out["ppo/early_stopped"] = float(stop)
+        return out
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def rollout_stats(self, r: Rollout) -> dict[str, float]:
+        m = r.response_mask
+        returns_var = masked_var(r.returns, m)
+        return {
+            "score/mean": float(r.raw_scores.mean()),
+            "score/std": float(r.raw_scores.std()) if len(r.raw_scores) > 1 else 0.0,
+            "score/used_mean": float(r.scores.mean()),
+            "kl/k1": float(_masked_sum(r.logprobs - r.ref_logprobs, m).mean()),
+            "kl/k3": float(_masked_sum(kl_penalty(r.logprobs, r.ref_logprobs, "k3"), m).mean()),
+            "kl/coef": float(self.kl_controller.value),
+            "policy/entropy": float(masked_mean(r.entropy, m)),
+            "value/mean": float(masked_mean(r.values, m)),
+            "value/explained_variance": float(1 - masked_var(r.returns - r.values, m) / returns_var)
+            if returns_var > 0 else 0.0,
+            "reward/kl_penalty": float(_masked_sum(r.rewards, m).mean() - r.scores.mean()),
+            "response/length": float(m.sum(1).float().mean()),
+            "response/no_eos_rate": float((~r.has_eos).float().mean()),
+        }
+
+    def step(self) -> dict[str, float]:
+        """One PPO iteration on the next batch of prompts; returns its record."""
+        t0 = time.perf_counter()
+        r = self.rollout(self.batch_prompts(self.step_index))
+        t1 = time.perf_counter()
+        record = {"step": self.step_index + 1, **self.rollout_stats(r), **self.update(r)}
+        # the controller sees the estimator the rewards used, summed over each response, averaged over the batch
+        self.kl_controller.update(float(_masked_sum(r.kls, r.response_mask).mean()), self.config.batch_size)
+        t2 = time.perf_counter()
+        tokens = int(r.attention_mask.sum())
+        record.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0,
+                       "time/tokens_per_s": tokens / (t2 - t0)})
+        self.step_index += 1
+        self.last_rollout = r
+        return record
+
+    # ---- the run: metrics, checkpoints, resume --------------------------------------------
+
+    @property
+    def metrics_path(self) -> pathlib.Path:
+        return self.output_dir / "metrics.jsonl"
+
+    def train(self, progress: bool = True, trackers=None) -> list[dict]:
+        """Run to `total_steps` (from the latest checkpoint when `resume`), writing one JSONL record per step."""
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.resume:
+            self.load_checkpoint()
+        elif self.metrics_path.exists() or (self.output_dir / "checkpoints").exists():
+            raise ConfigError(f"{self.output_dir} already holds a run; pass --resume true to continue it "
+                              "or choose another output_dir")
+        records = []
+        bar = tqdm(total=cfg.total_steps, initial=self.step_index, desc="ppo", disable=not progress)
+        with open(self.metrics_path, "a") as log:
+            while self.step_index < cfg.total_steps:
+                record = self.step()
+                records.append(record)
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                if trackers is not None:
+                    trackers.log(record, step=record["step"])
+                bar.update(1)
+                bar.set_postfix(score=f"{record['score/mean']:.2f}", kl=f"{record['kl/k1']:.2f}")
+                if (cfg.save_steps and self.step_index % cfg.save_steps == 0) or self.step_index == cfg.total_steps:
+                    self.save_checkpoint()
+        bar.close()
+        return records
+
+    def save_checkpoint(self) -> pathlib.Path:
+        """Write `checkpoints/step-NNNNNN/` atomically: into a temporary directory, then rename, then point
+        `checkpoints/latest` at it (itself replaced atomically). A kill at any moment leaves the previous
+        checkpoint intact and `latest` naming a complete one."""
+        from safetensors.torch import save_file
+
+        root = self.output_dir / "checkpoints"
+        root.mkdir(parents=True, exist_ok=True)
+        name = f"step-{self.step_index:06d}"
+        tmp, final = root / (name + ".tmp"), root / name
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.backend.trainable_state_dict().items()},
+                  str(tmp / "trainable.safetensors"))
+        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / "rng.pt")
+        state = {"step": self.step_index, "data_position": self.step_index * self.config.batch_size,
+                 "kl_controller": self.kl_controller.state_dict(), "config": asdict(self.config)}
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(name)
+        os.replace(root / "latest.tmp", root / "latest")
+        for old in sorted(p for p in root.glob("step-*") if p.name != name and not p.name.endswith(".tmp"))[:-1]:
+            shutil.rmtree(old, ignore_errors=True)  # keep the newest two
+        return final
+
+    def load_checkpoint(self) -> int:
+        """Restore weights, optimizer, KL controller, RNGs and step from `checkpoints/latest`; cut the metrics
+        file back to that step (a killed run may have logged steps it never checkpointed)."""
+        from safetensors.torch import load_file
+
+        root = self.output_dir / "checkpoints"
+        if not (root / "latest").exists():
+            raise ConfigError(f"--resume: no checkpoint in {root}")
+        ckpt = root / (root / "latest").read_text().strip()
+        state = json.loads((ckpt / "state.json").read_text())
+        self.backend.load_trainable_state_dict(load_file(str(ckpt / "trainable.safetensors"), device=str(self.backend.device)))
+        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=self.backend.device))
+        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        self.shuffle.set_state(rng["shuffle"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.step_index = state["step"]
+        if self.metrics_path.exists():
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.step_index]
+            self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        return self.step_index
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a run's `metrics.jsonl`."""
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
+def sample_responses(backend: PPOBackend, prompts: list[str], max_new_tokens: int = 32, temperature: float = 1.0,
+                     batch_size: int = 64, seed: int = 0) -> list[str]:
+    """Sampled responses of the backend's current policy, without touching the training RNG stream."""
+    tok = backend.tokenizer
+    out = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch_size):
+            enc = tok(prompts[start:start + batch_size], return_tensors="pt", padding=True, padding_side="left").to(backend.device)
+            ids = backend.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
+                                   temperature=temperature)
+            out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return [text.strip() for text in out]
+
+
+def evaluate_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0) -> dict:
+    """The toy world's evaluation of the current policy, with mean reward-model score of its answers."""
+    prompts = [p for p in world.eval_prompts for _ in range(repeats)]
+    responses = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, seed=seed)
+    metrics = world.evaluate(lambda _: responses, prompts=prompts)
+    tok, scores = backend.tokenizer, []
+    texts = [p.prompt + " " + r + tok.eos_token for p, r in zip(prompts, responses)]
+    with torch.no_grad():
+        for start in range(0, len(texts), 64):
+            enc = tok(texts[start:start + 64], return_tensors="pt", padding=True).to(backend.device)
+            scores.append(backend.scores(enc["input_ids"], enc["attention_mask"]).float().cpu())
+    metrics["reward_model_score"] = float(torch.cat(scores).mean())
+    return metrics
+
+
+def is_finite_record(record: dict) -> bool:
+    return all(math.isfinite(v) for v in record.values() if isinstance(v, (int, float)))

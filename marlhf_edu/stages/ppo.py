@@ -1,0 +1,87 @@
+"""Stage 3: PPO on the SFT model against the reward model.
+
+    marlhf-edu ppo --config configs/tiny_ppo.yaml [--key value ...] [--resume true]
+
+Builds the backend (four separate models here; `ma-ppo` builds one base with
+adapters), checks the configuration before any work, evaluates the policy
+before and after on the toy world, and trains with `PPOTrainer`: one JSONL
+record per step in `output_dir/metrics.jsonl`, checkpoints every `save_steps`.
+
+Taught in chapter 08.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+
+def load_prompts(config) -> list[str]:
+    """Rendered prompts: the toy world's training prompts, or a dataset's `prompt` column."""
+    from marlhf_edu.data.template import build_prompt
+    from marlhf_edu.stages.common import ConfigError
+
+    if config.dataset_name == "toy":
+        from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+
+        return [p.prompt for p in ToyWorld(ToyWorldConfig(seed=config.toy_seed)).train_prompts]
+    from marlhf_edu.data.formats import read_rows
+
+    prompts = []
+    for i, row in enumerate(read_rows(config.dataset_name, config.dataset_split)):
+        text = row.get("prompt") if isinstance(row, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise ConfigError(f"{config.dataset_name}: row {i}, field 'prompt': missing or empty")
+        prompts.append(build_prompt(text) if config.apply_template else text)
+    return prompts
+
+
+def run(config, backend_factory=None, progress: bool = True) -> dict:
+    """Train; return `{"before": eval, "after": eval, "records": [...]}` (evals only for toy data)."""
+    import torch
+
+    from marlhf_edu.ppo import FourModelBackend, PPOTrainer, evaluate_toy
+
+    config.validate()
+    torch.manual_seed(config.seed)
+    backend = (backend_factory or FourModelBackend.from_config)(config)
+    trainer = PPOTrainer(backend, config, load_prompts(config))
+    out = pathlib.Path(config.output_dir)
+    world = None
+    if config.dataset_name == "toy" and config.eval_repeats:
+        from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+
+        world = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
+    result = {}
+    if world is not None and not config.resume:
+        result["before"] = evaluate_toy(backend, world, config.eval_repeats, config.max_new_tokens)
+    trackers = None
+    if config.report_to not in ("none", "", None):
+        from accelerate import Accelerator
+
+        trackers = Accelerator(log_with=config.report_to, project_dir=str(out), cpu=backend.device.type == "cpu")
+        trackers.init_trackers("ppo", config={k: v for k, v in vars(config).items() if isinstance(v, (int, float, str, bool))})
+    result["records"] = trainer.train(progress=progress, trackers=trackers)
+    if trackers is not None:
+        trackers.end_training()
+    if world is not None:
+        result["after"] = evaluate_toy(backend, world, config.eval_repeats, config.max_new_tokens)
+        evals = {k: result[k] for k in ("before", "after") if k in result}
+        previous = out / "eval.json"
+        if config.resume and previous.exists():  # keep the before-numbers of the original start
+            evals = {**json.loads(previous.read_text()), "after": result["after"]}
+        previous.write_text(json.dumps(evals, indent=2) + "\n")
+    result["trainer"] = trainer
+    return result
+
+
+def main(argv: list[str] | None = None):
+    from marlhf_edu.ppo import PPOConfig
+    from marlhf_edu.stages.common import parse_stage_args
+
+    (config,) = parse_stage_args((PPOConfig,), argv)
+    result = run(config)
+    for key in ("before", "after"):
+        if key in result:
+            print(key, json.dumps({k: round(v, 4) for k, v in result[key].items()}))
+    return result

@@ -1,0 +1,246 @@
+"""The four-model PPO engine: the RLHF-PPO implementation details, checkpoint/resume, config errors."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer, read_metrics, response_mask_from_ids
+from marlhf_edu.ppo.backends import sequence_logprobs
+from marlhf_edu.ppo.trainer import TIMING_KEYS
+from marlhf_edu.scoring import score_texts
+from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.toyworld import ToyWorld
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_size=8, max_new_tokens=12,
+             learning_rate=1e-4, device="cpu", eval_repeats=0)
+
+
+def small_config(tmp_path, **overrides):
+    return PPOConfig(output_dir=str(tmp_path / "run"), **{**SMALL, **overrides})
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p.prompt for p in ToyWorld().train_prompts]
+
+
+def make_trainer(tmp_path, prompts, **overrides):
+    config = small_config(tmp_path, **overrides)
+    torch.manual_seed(config.seed)
+    return PPOTrainer(FourModelBackend.from_config(config), config, prompts)
+
+
+def test_response_mask_keeps_first_eos_only():
+    eos, pad = 2, 3
+    ids = torch.tensor([[5, 6, eos, pad, pad], [5, eos, 7, eos, 8], [5, 6, 7, 8, 9], [eos, pad, pad, pad, pad]])
+    mask = response_mask_from_ids(ids, eos)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_first_step_ratio_one_kl_zero_values_zero(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts, ppo_epochs=2)
+    record = trainer.step()
+    r = trainer.last_rollout
+    # policy == reference at step 0, computed the same way: the KL is zero
+    assert record["kl/k1"] == pytest.approx(0.0, abs=1e-6) and record["kl/k3"] == pytest.approx(0.0, abs=1e-6)
+    # dropout off and the same temperature in sampling and scoring: the first minibatch's ratio is exactly 1
+    first = trainer.minibatch_stats[0]
+    assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert first["policy/approxkl"] < 1e-10 and first["policy/clipfrac"] == 0.0
+    # the value head starts at zero: every rollout value is exactly 0
+    assert torch.equal(r.values, torch.zeros_like(r.values))
+    # later minibatches moved the policy
+    assert trainer.minibatch_stats[-1]["policy/approxkl"] > first["policy/approxkl"]
+    assert record["ppo/epochs"] == 2 and len(trainer.minibatch_stats) == 4
+
+
+def test_rollout_masks_pad_and_first_eos(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts, batch_size=16, mini_batch_size=16, micro_batch_size=16, forward_batch_size=6)
+    tok = trainer.tokenizer
+    assert tok.pad_token_id != tok.eos_token_id
+    r = trainer.rollout(trainer.batch_prompts(0))
+    response = r.input_ids[:, -r.n_response:]
+    assert r.has_eos.any()
+    for i in range(response.shape[0]):
+        real = response[i][r.response_mask[i]]
+        if r.has_eos[i]:
+            assert real[-1] == tok.eos_token_id and (real[:-1] != tok.eos_token_id).all()  # first EOS kept, last
+        assert (response[i][~r.response_mask[i]] == tok.pad_token_id).all()
+    # the attention mask is the prompt's mask followed by the response mask
+    assert torch.equal(r.attention_mask[:, -r.n_response:].bool(), r.response_mask)
+
+
+def test_left_padded_logprobs_equal_unpadded(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts)
+    tok, actor = trainer.tokenizer, trainer.backend.actor
+    short, long = min(prompts, key=len), max(prompts, key=len)
+    response = tok(" The zorb is red.</s>", add_special_tokens=False)["input_ids"]
+    R = len(response)
+    single = tok([short], return_tensors="pt")["input_ids"]
+    single = torch.cat([single, torch.tensor([response])], 1)
+    with torch.no_grad():
+        alone = sequence_logprobs(actor, single, torch.ones_like(single), R, 0.7)[0]
+        enc = tok([short, long], return_tensors="pt", padding=True, padding_side="left")
+        ids = torch.cat([enc["input_ids"], torch.tensor([response, response])], 1)
+        mask = torch.cat([enc["attention_mask"], torch.ones(2, R, dtype=torch.long)], 1)
+        assert enc["attention_mask"][0, 0] == 0  # the short prompt really is left-padded
+        batched = sequence_logprobs(actor, ids, mask, R, 0.7)[0]
+    torch.testing.assert_close(batched[0], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_only_actor_and_critic_change(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts)
+    be = trainer.backend
+    before = {name: {k: v.clone() for k, v in m.state_dict().items()} for name, m in be.models().items()}
+    trainable = {id(p) for group in be.parameter_groups().values() for p in group}
+    expected = {id(p) for m in (be.actor, be.critic) for p in m.parameters()}
+    assert trainable == expected  # all actor and critic weights (no LoRA here), nothing else
+    assert not any(p.requires_grad for m in (be.reference, be.reward) for p in m.parameters())
+    trainer.step()
+    trainer.step()
+    for name in ("reference", "reward"):
+        after = be.models()[name].state_dict()
+        assert all(torch.equal(before[name][k], after[k]) for k in after), f"the {name} model changed"
+    for name in ("actor", "critic"):
+        after = be.models()[name].state_dict()
+        assert any(not torch.equal(before[name][k], after[k]) for k in after), f"the {name} did not train"
+
+
+def test_score_equals_direct_reward_model_call(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts, batch_size=16, mini_batch_size=16, micro_batch_size=16, forward_batch_size=5)
+    r = trainer.rollout(trainer.batch_prompts(0))
+    tok = trainer.tokenizer
+    texts = []
+    for ids, mask in zip(r.input_ids, r.attention_mask.bool()):
+        texts.append(tok.decode(ids[mask], skip_special_tokens=False).removeprefix(tok.bos_token))
+    direct = score_texts(trainer.backend.reward, tok, texts, batch_size=16, add_eos=False)
+    # the same texts re-tokenised give the same ids (up to BPE's canonical form); compare where they do
+    same_ids = [tok(t)["input_ids"] == ids[mask].tolist() for t, ids, mask in zip(texts, r.input_ids, r.attention_mask.bool())]
+    assert sum(same_ids) >= 12
+    sel = torch.tensor(same_ids)
+    torch.testing.assert_close(r.raw_scores[sel], direct[sel], atol=1e-4, rtol=1e-4)
+
+
+def test_missing_eos_penalty_and_score_transforms(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts, missing_eos_penalty=5.0, score_baseline=1.0, score_clip=3.0)
+    raw = torch.tensor([0.5, 2.0, 10.0, -10.0])
+    has_eos = torch.tensor([True, False, True, True])
+    assert trainer.transform_scores(raw, has_eos).tolist() == [-0.5, -3.0, 3.0, -3.0]
+
+
+def test_early_stopping_cuts_the_epochs(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts, ppo_epochs=4, early_stopping=True, early_stopping_target_kl=1e-12)
+    record = trainer.step()
+    kls = [m["policy/policykl"] for m in trainer.minibatch_stats]
+    # it stops right after the first minibatch whose policykl exceeds 1.5 × target, before running all 4 epochs
+    assert record["ppo/early_stopped"] == 1.0 and record["ppo/epochs"] < 4
+    assert kls[-1] > 1.5e-12 and all(k <= 1.5e-12 for k in kls[:-1])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(batch_size=10, mini_batch_size=4), "multiple of mini_batch_size"),
+    (dict(mini_batch_size=4, micro_batch_size=3), "multiple of micro_batch_size"),
+    (dict(temperature=0.0), "temperature"),
+    (dict(kl_estimator="full"), "kl_estimator"),
+])
+def test_bad_config_values(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        small_config(tmp_path, **overrides).validate()
+
+
+def test_unknown_key_is_named(tmp_path):
+    from marlhf_edu.stages.common import parse_stage_args
+
+    path = tmp_path / "c.yaml"
+    path.write_text("batch_size: 8\nmini_batchsize: 4\n")
+    with pytest.raises(ConfigError, match="'mini_batchsize' → did you mean 'mini_batch_size'"):
+        parse_stage_args((PPOConfig,), ["--config", str(path)])
+
+
+def test_pad_equal_to_eos_and_vocab_mismatch_are_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = small_config(tmp_path)
+    be = FourModelBackend.from_config(config)
+    tok = be.tokenizer
+    tok_eos_pad = type(tok).from_pretrained(str(pathlib.Path(tok.name_or_path)))
+    tok_eos_pad.pad_token = tok_eos_pad.eos_token
+    with pytest.raises(ConfigError, match="pad token must exist and differ from EOS"):
+        FourModelBackend(be.actor, be.critic, be.reference, be.reward, tok_eos_pad)
+    other = LlamaForSequenceClassification(LlamaConfig(vocab_size=600, hidden_size=16, intermediate_size=32,
+                                                       num_hidden_layers=1, num_attention_heads=2, num_labels=1))
+    with pytest.raises(ConfigError, match=r"reward model's vocabulary \(600\) differs"):
+        FourModelBackend(be.actor, be.critic, be.reference, other, tok)
+
+
+def test_prompts_too_long_and_existing_run_are_refused(tmp_path, prompts):
+    config = small_config(tmp_path, max_prompt_length=8)
+    with pytest.raises(ConfigError, match="exceed max_prompt_length=8"):
+        PPOTrainer(FourModelBackend.from_config(config), config, prompts)
+    trainer = make_trainer(tmp_path, prompts, total_steps=1)
+    trainer.train(progress=False)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        make_trainer(tmp_path, prompts, total_steps=1).train(progress=False)
+
+
+def _cli(out, *extra):
+    args = [f"--{k}={v}" for k, v in {**SMALL, "total_steps": 6, "save_steps": 1, "output_dir": out}.items()]
+    return [sys.executable, "-m", "marlhf_edu.cli", "ppo", *args, *extra]
+
+
+def _strip_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
+    env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"}
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(_cli(straight), check=True, env=env, capture_output=True, timeout=300)
+
+    proc = subprocess.Popen(_cli(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() >= "step-000003":
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: whatever was on disk is what resume gets
+    proc.wait()
+    assert len(read_metrics(killed / "metrics.jsonl")) < 6
+    subprocess.run(_cli(killed, "--resume=true"), check=True, env=env, capture_output=True, timeout=300)
+
+    a, b = _strip_timing(read_metrics(straight / "metrics.jsonl")), _strip_timing(read_metrics(killed / "metrics.jsonl"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    for ra, rb in zip(a, b):
+        for key in ra:
+            assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+    # the checkpoint holds what a resume needs
+    ckpt = straight / "checkpoints" / (straight / "checkpoints" / "latest").read_text()
+    assert {p.name for p in ckpt.iterdir()} == {"trainable.safetensors", "optimizer.pt", "rng.pt", "state.json"}
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 6 and state["data_position"] == 48 and "value" in state["kl_controller"]
+
+
+def test_training_curves_plot(tmp_path, prompts):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from marlhf_edu.ppo.plotting import PANELS, plot_training_curves
+
+    trainer = make_trainer(tmp_path, prompts, total_steps=2)
+    records = trainer.train(progress=False)
+    assert len(read_metrics(trainer.metrics_path)) == 2 and all(torch.isfinite(torch.tensor(
+        [v for v in records[-1].values()])))
+    fig = plot_training_curves({"a": trainer.metrics_path, "b": records})
+    drawn = [ax for ax in fig.axes if ax.lines]
+    assert len(drawn) == len(PANELS)
+    assert len(fig.axes[0].lines) == 2  # both runs on the score panel
