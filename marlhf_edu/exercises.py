@@ -290,3 +290,32 @@ def check_position_ids(fn: Callable) -> CheckReport:
         case("left padding", _padded_mask(gen, 4, 7, left=True).long()),
         case("single real token", torch.tensor([[0, 0, 0, 1], [1, 0, 0, 0]])),
     ])
+
+
+def check_response_mask(fn: Callable) -> CheckReport:
+    """Check `fn(response_ids, eos_token_id) -> mask` (B, R): tokens up to and including the first EOS.
+
+    Chapter 08's exercise; compared with `marlhf_edu.ppo.response_mask_from_ids`.
+    """
+    from marlhf_edu.ppo.trainer import response_mask_from_ids
+
+    eos, pad = 2, 3
+
+    def case(label, ids):
+        def run():
+            got = fn(ids.clone(), eos)
+            if not isinstance(got, torch.Tensor) or got.shape != ids.shape:
+                return f"{label}: expected a tensor of shape {tuple(ids.shape)}"
+            return _compare(label, got.double(), response_mask_from_ids(ids, eos).double(), 0, 0)
+        return label, run
+
+    gen = torch.Generator().manual_seed(8)
+    random_ids = torch.randint(0, 12, (6, 9), generator=gen)
+    return _run("check_response_mask", [
+        case("EOS then padding", torch.tensor([[5, 6, eos, pad, pad], [5, 6, 7, eos, pad]])),
+        case("no EOS (hit the length limit)", torch.tensor([[5, 6, 7, 8, 9]])),
+        case("EOS as the first token", torch.tensor([[eos, pad, pad, pad]])),
+        case("a second EOS after the first", torch.tensor([[5, eos, 7, eos, 8]])),
+        case("pad sampled before EOS", torch.tensor([[5, pad, 6, eos, pad]])),
+        case("random ids", random_ids),
+    ])

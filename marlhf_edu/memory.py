@@ -90,3 +90,44 @@ def run_isolated(target: str, **kwargs) -> int:
     if proc.returncode != 0:
         raise RuntimeError(f"run_isolated({target}) failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- what models and optimizers hold ---------------------------------------------------------
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`: a tensor shared by two modules (a tied
+    embedding, one base under several adapters) counts once."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or not hasattr(t, "untyped_storage"):
+            continue
+        storage = t.untyped_storage()
+        key = (storage.device.type, storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _optimizer_tensors(optimizer):
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if hasattr(v, "untyped_storage") and v.dim() > 0)
+
+
+def model_state_bytes(models: dict, optimizer=None) -> dict[str, int]:
+    """Measured bytes held by each model (parameters + buffers), gradients and optimizer states.
+
+    `models`: `{name: nn.Module}`. A storage already counted under an earlier
+    name is not counted again, so the total is what the process really holds.
+    Taught in chapter 08 (four models) and chapter 09 (one base, many adapters).
+    """
+    out, seen = {}, []
+    for name, module in models.items():
+        tensors = list(module.parameters()) + list(module.buffers())
+        out[name] = storage_bytes(seen + tensors) - storage_bytes(seen)
+        seen += tensors
+    params = [p for m in models.values() for p in m.parameters()]
+    out["gradients"] = storage_bytes(p.grad for p in params if p.grad is not None)
+    out["optimizer"] = storage_bytes(_optimizer_tensors(optimizer)) if optimizer is not None else 0
+    out["total"] = sum(out.values())
+    return out

@@ -66,3 +66,11 @@ def test_data_chapter_checkers():
     assert ex.check_position_ids(position_ids_from_mask)
     assert not ex.check_position_ids(lambda m: torch.arange(m.shape[1]).expand_as(m))
     assert not ex.check_position_ids(lambda m: m.long().cumsum(-1))  # off by one
+
+
+def test_ppo_chapter_checker():
+    from marlhf_edu.ppo import response_mask_from_ids
+
+    assert ex.check_response_mask(response_mask_from_ids)
+    assert not ex.check_response_mask(lambda ids, eos: ids != 3)  # "not padding" misses tokens after the first EOS
+    assert not ex.check_response_mask(lambda ids, eos: torch.cumsum(ids == eos, 1) == 0)  # drops the EOS itself

@@ -283,7 +283,8 @@ class PPOTrainer:
             raise ConfigError(f"{self.output_dir} already holds a run; pass --resume true to continue it "
                               "or choose another output_dir")
         records = []
-        bar = tqdm(total=cfg.total_steps, initial=self.step_index, desc="ppo", disable=not progress)
+        # pass `disable` only to turn the bar off, so TQDM_DISABLE=1 in the environment still wins otherwise
+        bar = tqdm(total=cfg.total_steps, initial=self.step_index, desc="ppo", **({} if progress else {"disable": True}))
         with open(self.metrics_path, "a") as log:
             while self.step_index < cfg.total_steps:
                 record = self.step()
