@@ -3,6 +3,7 @@
     marlhf-edu sft --config configs/tiny_sft.yaml [--key value ...]
     marlhf-edu rm  --config configs/tiny_rm.yaml  [--key value ...]
     marlhf-edu ppo --config configs/tiny_ppo.yaml [--resume true]
+    marlhf-edu ma-ppo --config configs/tiny_ma_ppo.yaml
     marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch
 """
 
@@ -16,6 +17,7 @@ COMMANDS = {
     "sft": ("marlhf_edu.stages.sft", "supervised fine-tuning (trl SFTTrainer, completion-only loss)"),
     "rm": ("marlhf_edu.stages.reward", "reward model (trl RewardTrainer, SEQ_CLS LoRA, margins)"),
     "ppo": ("marlhf_edu.stages.ppo", "PPO with four models: actor, critic, reward model, reference"),
+    "ma-ppo": ("marlhf_edu.stages.ma_ppo", "multi-adapter PPO: one (4-bit) base, policy/value/reward adapters"),
     "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
 }
 

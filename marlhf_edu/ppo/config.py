@@ -32,6 +32,9 @@ class PPOConfig:
     actor_lora_alpha: int = field(default=16)
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj"])
+    value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
+    double_quant: bool = field(default=True, metadata={"help": "NF4 double quantization of the scales"})
     # ---- data -----------------------------------------------------------------------------
     dataset_name: str = field(default="toy", metadata={"help": "'toy' or a .json/.jsonl/.parquet file / hub dataset with a 'prompt' column"})
     dataset_split: str = field(default="train")
@@ -107,6 +110,7 @@ class PPOConfig:
         need(self.cliprange > 0 and self.cliprange_value > 0, "cliprange and cliprange_value must be > 0")
         need(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
         need(self.actor_lora_r >= 0, f"actor_lora_r must be >= 0, got {self.actor_lora_r}")
+        need(self.value_mode in ("shared", "adapter"), f"value_mode must be 'shared' or 'adapter', got {self.value_mode!r}")
         need(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

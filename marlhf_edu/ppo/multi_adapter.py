@@ -1,0 +1,217 @@
+"""Multi-adapter PPO: one base model (optionally 4-bit NF4) plays all four roles.
+
+- `policy`  — a trainable LoRA adapter (causal LM);
+- value     — `shared`: a scalar head on the policy adapter's last hidden state (one forward
+              gives logits and values, MA-RLHF's choice); `adapter`: its own trainable LoRA
+              adapter `value` plus a head (a separate critic, a second forward);
+- `reward`  — the frozen reward-model adapter of chapter 07, with its score head;
+- reference — the same base with every adapter disabled.
+
+Two traps of peft handled here:
+
+1. Loading a SEQ_CLS adapter into a causal-LM model silently drops its `score`
+   weights (the causal LM has no `score` module). The head is read from the
+   adapter file explicitly, and loading fails if it is missing.
+2. `set_adapter` changes which parameters require gradients (it marks the active
+   adapter trainable and freezes the others). Every switch goes through
+   `_use_adapter`, which restores the trainable set afterwards and checks it.
+
+Taught in chapter 09.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+
+import torch
+from torch import nn
+
+from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
+from marlhf_edu.ppo.backends import PPOBackend, _check_tokenizer, quiet_loading, response_values
+from marlhf_edu.scoring import position_ids_from_mask
+from marlhf_edu.masked import last_valid_index
+
+VALUE_MODES = ("shared", "adapter")
+
+
+def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
+    """The reward adapter's score head (hidden → 1), read from its safetensors file and frozen."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(pathlib.Path(adapter_dir) / "adapter_model.safetensors"))
+    keys = [k for k in state if k.split(".")[-2] == "score" or ".score." in k]
+    if len(keys) != 1:
+        raise ValueError(f"{adapter_dir}: expected one score-head weight in the adapter (modules_to_save: [score]), "
+                         f"found {keys}")
+    weight = state[keys[0]]
+    if tuple(weight.shape) != (1, hidden_size):
+        raise ValueError(f"{adapter_dir}: score head has shape {tuple(weight.shape)}, expected (1, {hidden_size})")
+    head = nn.Linear(hidden_size, 1, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    return head.requires_grad_(False)
+
+
+class MultiAdapterBackend(PPOBackend):
+    """One (optionally quantized) base with `policy`, `reward` and optionally `value` adapters."""
+
+    def __init__(self, base, tokenizer, reward_adapter_dir, *, value_mode: str = "shared", lora_r: int = 16,
+                 lora_alpha: int = 16, target_modules=None, seed: int = 0):
+        from peft import LoraConfig, get_peft_model
+
+        from marlhf_edu.stages.common import ConfigError
+
+        _check_tokenizer(tokenizer)
+        if value_mode not in VALUE_MODES:
+            raise ConfigError(f"value_mode must be one of {VALUE_MODES}, got {value_mode!r}")
+        if base.config.vocab_size != len(tokenizer):
+            raise ConfigError(f"the base's vocabulary ({base.config.vocab_size}) differs from the tokenizer's ({len(tokenizer)})")
+        self.tokenizer, self.value_mode = tokenizer, value_mode
+        base.requires_grad_(False)
+        lora = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
+                    target_modules=list(target_modules or ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                           "gate_proj", "up_proj", "down_proj"]))
+        torch.manual_seed(seed)
+        self.model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **lora), adapter_name="policy")
+        if value_mode == "adapter":
+            self.model.add_adapter("value", LoraConfig(task_type="CAUSAL_LM", **lora))
+        with quiet_loading():
+            self.model.load_adapter(str(reward_adapter_dir), adapter_name="reward", is_trainable=False)
+        hidden = base.config.hidden_size
+        self.device = next(base.parameters()).device
+        self.reward_head = load_score_head(reward_adapter_dir, hidden).to(self.device)
+        self.value_head = nn.Linear(hidden, 1).to(self.device)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+        self.model.set_adapter("policy")
+        self._trainable = self._expected_trainable()
+        self._restore_trainable()
+        self.model.eval()
+
+    @classmethod
+    def from_config(cls, config) -> "MultiAdapterBackend":
+        from transformers import AutoModelForCausalLM
+
+        from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
+
+        sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
+        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+        device = config.resolved_device
+        kwargs = {}
+        if config.load_in_4bit:
+            from transformers import BitsAndBytesConfig
+
+            kwargs = {"quantization_config": BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=config.double_quant,
+                bnb_4bit_compute_dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32),
+                "device_map": {"": device}}
+        with quiet_loading():
+            base = AutoModelForCausalLM.from_pretrained(str(sft), **kwargs)
+        if not kwargs:
+            base = base.to(device)
+        return cls(base, load_tokenizer(sft), adapter, value_mode=config.value_mode, lora_r=config.actor_lora_r or 16,
+                   lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed)
+
+    # ---- the trainable set, guarded ----------------------------------------------------------
+
+    def _expected_trainable(self) -> set[str]:
+        names = {n for n, _ in self.model.named_parameters() if ".lora_" in n and ".policy." in n}
+        if self.value_mode == "adapter":
+            names |= {n for n, _ in self.model.named_parameters() if ".lora_" in n and ".value." in n}
+        return names
+
+    def _restore_trainable(self) -> None:
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(name in self._trainable)
+        self.value_head.requires_grad_(True)
+        self.reward_head.requires_grad_(False)
+        self.check_trainable()
+
+    def check_trainable(self) -> None:
+        """Raise if anything but the policy (and value) adapters and the value head would train."""
+        actual = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        if actual != self._trainable:
+            raise RuntimeError(f"trainable parameters changed: unexpected {sorted(actual - self._trainable)[:3]}, "
+                               f"missing {sorted(self._trainable - actual)[:3]}")
+        if not self._trainable:
+            raise RuntimeError("no trainable policy adapter parameters")
+
+    @contextlib.contextmanager
+    def _use_adapter(self, name: str):
+        self.model.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.model.set_adapter("policy")
+            self._restore_trainable()
+
+    # ---- the four questions ---------------------------------------------------------------------
+
+    def _hidden(self, input_ids, attention_mask):
+        backbone = self.model.get_base_model().model
+        return backbone(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+
+    def _logits(self, hidden, n_response, temperature):
+        lm_head = self.model.get_base_model().lm_head
+        return lm_head(hidden[:, -n_response - 1:-1]).float() / temperature
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask, *, max_new_tokens, temperature, top_k=0, top_p=1.0):
+        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                                   pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+
+    def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
+        hidden = self._hidden(input_ids, attention_mask)  # policy adapter active
+        logits = self._logits(hidden, n_response, temperature)
+        logprobs = logprobs_from_logits(logits, input_ids[:, -n_response:])
+        entropy = entropy_from_logits(logits) if with_entropy else None
+        if self.value_mode == "shared":
+            value_hidden = hidden
+        else:
+            with self._use_adapter("value"):
+                value_hidden = self._hidden(input_ids, attention_mask)
+        values = self.value_head(value_hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return logprobs, response_values(values, n_response), entropy
+
+    @torch.no_grad()
+    def reference_logprobs(self, input_ids, attention_mask, n_response, temperature):
+        with self.model.disable_adapter():
+            logits = self._logits(self._hidden(input_ids, attention_mask), n_response, temperature)
+        return logprobs_from_logits(logits, input_ids[:, -n_response:])
+
+    @torch.no_grad()
+    def scores(self, input_ids, attention_mask):
+        with self._use_adapter("reward"):
+            hidden = self._hidden(input_ids, attention_mask)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        last = hidden[rows, last_valid_index(attention_mask)]
+        return self.reward_head(last.to(self.reward_head.weight.dtype)).squeeze(-1).float()
+
+    # ---- parameters -----------------------------------------------------------------------------
+
+    def parameter_groups(self):
+        named = dict(self.model.named_parameters())
+        policy = [named[n] for n in sorted(self._trainable) if ".policy." in n]
+        value = [named[n] for n in sorted(self._trainable) if ".value." in n] + list(self.value_head.parameters())
+        return {"policy": policy, "value": value}
+
+    def trainable_state_dict(self):
+        named = dict(self.model.named_parameters())
+        out = {f"model.{n}": named[n].detach() for n in sorted(self._trainable)}
+        out.update({f"value_head.{n}": p.detach() for n, p in self.value_head.named_parameters()})
+        return out
+
+    def load_trainable_state_dict(self, state):
+        current = self.trainable_state_dict()
+        if set(current) != set(state):
+            raise KeyError(f"checkpoint does not match the adapters: missing {sorted(set(current) - set(state))[:3]}, "
+                           f"unexpected {sorted(set(state) - set(current))[:3]}")
+        with torch.no_grad():
+            for name, tensor in current.items():
+                tensor.copy_(state[name])
+
+    def models(self):
+        return {"base+adapters": self.model, "value_head": self.value_head, "reward_head": self.reward_head}

@@ -1,0 +1,121 @@
+"""Multi-adapter PPO computes what four-model PPO computes, and trains only what it should."""
+
+import pytest
+import torch
+
+from marlhf_edu.models import REWARD_ADAPTER_DIR, load_reward_model, load_sft_model
+from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
+from marlhf_edu.ppo.backends import sequence_logprobs
+from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend, load_score_head
+from marlhf_edu.scoring import sequence_scores
+from marlhf_edu.toyworld import ToyWorld
+
+SMALL = dict(batch_size=8, mini_batch_size=8, micro_batch_size=4, forward_batch_size=8, max_new_tokens=12,
+             actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-3)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p.prompt for p in ToyWorld().train_prompts]
+
+
+def build(tmp_path, backend_cls, prompts, **overrides):
+    config = PPOConfig(output_dir=str(tmp_path / backend_cls.__name__), **{**SMALL, **overrides})
+    torch.manual_seed(0)
+    backend = backend_cls.from_config(config)
+    return PPOTrainer(backend, config, prompts)
+
+
+@pytest.mark.parametrize("value_mode", ["shared", "adapter"])
+def test_first_step_matches_four_model_ppo(tmp_path, prompts, value_mode):
+    records, first = {}, {}
+    for cls in (FourModelBackend, MultiAdapterBackend):
+        trainer = build(tmp_path, cls, prompts, value_mode=value_mode)
+        torch.manual_seed(1)
+        records[cls] = trainer.step()
+        first[cls] = trainer.minibatch_stats[0]
+    a, b = records[FourModelBackend], records[MultiAdapterBackend]
+    for key in a:
+        if not key.startswith("time/"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    for key in first[FourModelBackend]:
+        assert first[MultiAdapterBackend][key] == pytest.approx(first[FourModelBackend][key], rel=1e-5, abs=1e-6), key
+
+
+def _texts_batch(tokenizer, side):
+    world = ToyWorld()
+    texts = [p["prompt"] + p["chosen"] + tokenizer.eos_token for p in world.eval_pairs(6)]
+    return tokenizer(texts, return_tensors="pt", padding=True, padding_side=side)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_reward_adapter_scores_equal_standalone_reward_model(tmp_path, prompts, side):
+    trainer = build(tmp_path, MultiAdapterBackend, prompts)
+    reward, tok = load_reward_model()
+    enc = _texts_batch(tok, side)
+    with torch.no_grad():
+        expected = sequence_scores(reward, enc["input_ids"], enc["attention_mask"])
+    got = trainer.backend.scores(enc["input_ids"], enc["attention_mask"])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_score_head_must_be_in_the_adapter(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(REWARD_ADAPTER_DIR / "adapter_model.safetensors"))
+    save_file({k: v for k, v in state.items() if "score" not in k}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="expected one score-head weight"):
+        load_score_head(tmp_path, 192)
+    head = load_score_head(REWARD_ADAPTER_DIR, 192)
+    assert torch.equal(head.weight, state["base_model.model.score.weight"]) and not head.weight.requires_grad
+
+
+def test_reference_is_the_bare_base_and_frozen_parts_stay_bit_identical(tmp_path, prompts):
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, value_mode="adapter")
+    be = trainer.backend
+    named = dict(be.model.named_parameters())
+    frozen_before = {n: p.detach().clone() for n, p in named.items() if not p.requires_grad}
+    trainable_before = {n: p.detach().clone() for n, p in named.items() if p.requires_grad}
+    head_before = be.reward_head.weight.detach().clone()
+    for _ in range(2):
+        trainer.step()
+    for n, before in frozen_before.items():
+        assert torch.equal(named[n], before), f"{n} changed"
+    assert torch.equal(be.reward_head.weight, head_before)
+    changed = {n for n, before in trainable_before.items() if not torch.equal(named[n], before)}
+    assert any(".policy." in n for n in changed) and any(".value." in n for n in changed)
+    assert all(".policy." in n or ".value." in n for n in trainable_before)
+    # the reference (adapters disabled) is the plain SFT model, even with a trained policy adapter
+    sft, tok = load_sft_model()
+    r = trainer.last_rollout
+    with torch.no_grad():
+        expected = sequence_logprobs(sft, r.input_ids, r.attention_mask, r.n_response, 1.0)[0]
+    got = be.reference_logprobs(r.input_ids, r.attention_mask, r.n_response, 1.0)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    policy = be.policy_forward(r.input_ids, r.attention_mask, r.n_response, 1.0)[0]
+    assert (policy - got).abs().max() > 1e-3  # while the policy itself has moved
+
+
+def test_adapter_switches_keep_the_trainable_set(tmp_path, prompts):
+    be = build(tmp_path, MultiAdapterBackend, prompts, value_mode="adapter").backend
+    before = {n for n, p in be.model.named_parameters() if p.requires_grad}
+    enc = _texts_batch(be.tokenizer, "right")
+    be.scores(enc["input_ids"], enc["attention_mask"])  # switches to the reward adapter and back
+    be.policy_forward(enc["input_ids"], enc["attention_mask"], 4, 1.0)  # switches to the value adapter and back
+    assert {n for n, p in be.model.named_parameters() if p.requires_grad} == before
+    # peft's own set_adapter would have frozen the policy adapter: the guard notices such a change
+    be.model.set_adapter("reward")
+    with pytest.raises(RuntimeError, match="trainable parameters changed"):
+        be.check_trainable()
+
+
+def test_four_bit_base_runs_a_step(tmp_path, prompts):
+    import bitsandbytes as bnb
+
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True)
+    linear4 = [m for m in trainer.backend.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linear4) == 4 * 7  # every projection of the 4 layers is NF4
+    record = trainer.step()
+    assert record["kl/k1"] == pytest.approx(0.0, abs=1e-5)
+    assert all(v == v for v in record.values())  # no NaN
+    trainer.backend.check_trainable()
