@@ -44,12 +44,26 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return out.logits[:, :-1] / temperature
 
 
+def response_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False):
+    """(B, R, V) response logits → log-probs (B, R) of the sampled tokens, and the entropy (B, R) if asked."""
+    logprobs = logprobs_from_logits(logits, input_ids[:, -logits.shape[1]:])
+    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+
+
 def sequence_logprobs(model, input_ids, attention_mask, n_response: int, temperature: float,
                       with_entropy: bool = False):
     """Log-probs (B, R) of the response tokens under `model`, and their entropy (B, R) if asked."""
-    logits = response_logits(model, input_ids, attention_mask, n_response, temperature)
-    logprobs = logprobs_from_logits(logits, input_ids[:, -n_response:])
-    return logprobs, (entropy_from_logits(logits) if with_entropy else None)
+    return response_logprobs(response_logits(model, input_ids, attention_mask, n_response, temperature), input_ids,
+                             with_entropy)
+
+
+@torch.no_grad()
+def sample(model, tokenizer, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
+           top_p: float = 1.0) -> torch.Tensor:
+    """`generate` with plain temperature sampling (top-k/top-p off unless set), pad and EOS from the tokenizer."""
+    return model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
+                          top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
 class ValueModel(nn.Module):
@@ -204,11 +218,8 @@ class FourModelBackend(PPOBackend):
     def models(self):
         return {"actor": self.actor, "critic": self.critic, "reference": self.reference, "reward": self.reward}
 
-    @torch.no_grad()
-    def generate(self, input_ids, attention_mask, *, max_new_tokens, temperature, top_k=0, top_p=1.0):
-        return self.actor.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                                   pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+    def generate(self, input_ids, attention_mask, **sampling):
+        return sample(self.actor, self.tokenizer, input_ids, attention_mask, **sampling)
 
     def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
         logprobs, entropy = sequence_logprobs(self.actor, input_ids, attention_mask, n_response, temperature, with_entropy)

@@ -27,10 +27,10 @@ import pathlib
 import torch
 from torch import nn
 
-from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
-from marlhf_edu.ppo.backends import PPOBackend, _check_tokenizer, quiet_loading, response_values
-from marlhf_edu.scoring import position_ids_from_mask
+from marlhf_edu.ppo.backends import (PPOBackend, _check_tokenizer, quiet_loading, response_logprobs, response_values,
+                                     sample)
 from marlhf_edu.masked import last_valid_index
+from marlhf_edu.scoring import position_ids_from_mask
 
 VALUE_MODES = ("shared", "adapter")
 
@@ -157,17 +157,12 @@ class MultiAdapterBackend(PPOBackend):
         lm_head = self.model.get_base_model().lm_head
         return lm_head(hidden[:, -n_response - 1:-1]).float() / temperature
 
-    @torch.no_grad()
-    def generate(self, input_ids, attention_mask, *, max_new_tokens, temperature, top_k=0, top_p=1.0):
-        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                                   temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                                   pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)
+    def generate(self, input_ids, attention_mask, **sampling):
+        return sample(self.model, self.tokenizer, input_ids, attention_mask, **sampling)
 
     def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
         hidden = self._hidden(input_ids, attention_mask)  # policy adapter active
-        logits = self._logits(hidden, n_response, temperature)
-        logprobs = logprobs_from_logits(logits, input_ids[:, -n_response:])
-        entropy = entropy_from_logits(logits) if with_entropy else None
+        logprobs, entropy = response_logprobs(self._logits(hidden, n_response, temperature), input_ids, with_entropy)
         if self.value_mode == "shared":
             value_hidden = hidden
         else:
@@ -180,7 +175,7 @@ class MultiAdapterBackend(PPOBackend):
     def reference_logprobs(self, input_ids, attention_mask, n_response, temperature):
         with self.model.disable_adapter():
             logits = self._logits(self._hidden(input_ids, attention_mask), n_response, temperature)
-        return logprobs_from_logits(logits, input_ids[:, -n_response:])
+        return response_logprobs(logits, input_ids)[0]
 
     @torch.no_grad()
     def scores(self, input_ids, attention_mask):
