@@ -37,14 +37,25 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 @torch.no_grad()
-def score_texts(model, tokenizer, texts: list[str], batch_size: int = 64, padding_side: str = "right",
-                add_eos: bool = True) -> torch.Tensor:
-    """Score full texts (prompt + response) in batches; EOS is appended as in reward training."""
-    device = next(model.parameters()).device
+def score_texts_with(score_fn, tokenizer, texts: list[str], batch_size: int = 64, padding_side: str = "right",
+                     add_eos: bool = True, device=None) -> torch.Tensor:
+    """Score full texts (prompt + response) in batches with `score_fn(input_ids, attention_mask) -> (B,)`.
+
+    EOS is appended as in reward training. Any scorer fits: a reward model
+    (`score_texts`) or a PPO backend's `scores` (the reward adapter of MA-PPO).
+    """
     scores = []
     for start in range(0, len(texts), batch_size):
         chunk = [t + tokenizer.eos_token if add_eos and not t.endswith(tokenizer.eos_token) else t
                  for t in texts[start:start + batch_size]]
         enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side=padding_side)
-        scores.append(sequence_scores(model, enc["input_ids"].to(device), enc["attention_mask"].to(device)).cpu())
+        scores.append(score_fn(enc["input_ids"].to(device), enc["attention_mask"].to(device)).float().cpu())
     return torch.cat(scores) if scores else torch.zeros(0)
+
+
+def score_texts(model, tokenizer, texts: list[str], batch_size: int = 64, padding_side: str = "right",
+                add_eos: bool = True) -> torch.Tensor:
+    """Score full texts with a sequence-classification reward model, in batches (see `score_texts_with`)."""
+    device = next(model.parameters()).device
+    return score_texts_with(lambda ids, mask: sequence_scores(model, ids, mask), tokenizer, texts, batch_size,
+                            padding_side, add_eos, device)

@@ -134,6 +134,9 @@ def test_missing_eos_penalty_and_score_transforms(tmp_path, prompts):
     raw = torch.tensor([0.5, 2.0, 10.0, -10.0])
     has_eos = torch.tensor([True, False, True, True])
     assert trainer.transform_scores(raw, has_eos).tolist() == [-0.5, -3.0, 3.0, -3.0]
+    trainer.config.whiten_scores, trainer.config.score_clip = True, None
+    whitened = trainer.transform_scores(raw, has_eos)
+    assert abs(float(whitened.mean())) < 1e-6 and float(whitened.std()) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_early_stopping_cuts_the_epochs(tmp_path, prompts):

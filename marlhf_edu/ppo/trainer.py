@@ -21,7 +21,6 @@ Taught in chapter 08.
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import random
@@ -38,6 +37,7 @@ from marlhf_edu.masked import masked_mean, masked_var, masked_whiten
 from marlhf_edu.ppo.backends import PPOBackend
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo_objective import ppo_loss
+from marlhf_edu.scoring import score_texts_with
 from marlhf_edu.stages.common import ConfigError
 
 #: Keys of a step record that measure time; everything else is a deterministic function of the run.
@@ -177,7 +177,7 @@ class PPOTrainer:
             scores = torch.where(has_eos, scores, scores - cfg.missing_eos_penalty)
         scores = scores - cfg.score_baseline
         if cfg.whiten_scores and scores.numel() > 1:
-            scores = (scores - scores.mean()) / (scores.std() + 1e-8)
+            scores = masked_whiten(scores[None], torch.ones_like(scores, dtype=torch.bool)[None])[0]
         if cfg.score_clip is not None:
             scores = scores.clamp(-cfg.score_clip, cfg.score_clip)
         return scores
@@ -382,15 +382,7 @@ def evaluate_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: i
     prompts = [p for p in world.eval_prompts for _ in range(repeats)]
     responses = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, seed=seed)
     metrics = world.evaluate(lambda _: responses, prompts=prompts)
-    tok, scores = backend.tokenizer, []
-    texts = [p.prompt + " " + r + tok.eos_token for p, r in zip(prompts, responses)]
-    with torch.no_grad():
-        for start in range(0, len(texts), 64):
-            enc = tok(texts[start:start + 64], return_tensors="pt", padding=True).to(backend.device)
-            scores.append(backend.scores(enc["input_ids"], enc["attention_mask"]).float().cpu())
-    metrics["reward_model_score"] = float(torch.cat(scores).mean())
+    texts = [p.prompt + " " + r for p, r in zip(prompts, responses)]
+    scores = score_texts_with(backend.scores, backend.tokenizer, texts, device=backend.device)
+    metrics["reward_model_score"] = float(scores.mean())
     return metrics
-
-
-def is_finite_record(record: dict) -> bool:
-    return all(math.isfinite(v) for v in record.values() if isinstance(v, (int, float)))

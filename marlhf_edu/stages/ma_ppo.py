@@ -8,18 +8,9 @@ config checks) holds here; only the backend differs. Taught in chapter 09.
 
 from __future__ import annotations
 
-import json
-
 
 def main(argv: list[str] | None = None):
-    from marlhf_edu.ppo import PPOConfig
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.ppo import run
+    from marlhf_edu.stages import ppo
 
-    (config,) = parse_stage_args((PPOConfig,), argv)
-    result = run(config, backend_factory=MultiAdapterBackend.from_config)
-    for key in ("before", "after"):
-        if key in result:
-            print(key, json.dumps({k: round(v, 4) for k, v in result[key].items()}))
-    return result
+    return ppo.main(argv, backend_factory=MultiAdapterBackend.from_config)
