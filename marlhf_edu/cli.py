@@ -4,6 +4,7 @@
     marlhf-edu rm  --config configs/tiny_rm.yaml  [--key value ...]
     marlhf-edu ppo --config configs/tiny_ppo.yaml [--resume true]
     marlhf-edu ma-ppo --config configs/tiny_ma_ppo.yaml
+    marlhf-edu memory --config configs/tiny_ma_ppo.yaml   # planned bytes, four-model vs MA-PPO
     marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch
 """
 
@@ -18,6 +19,7 @@ COMMANDS = {
     "rm": ("marlhf_edu.stages.reward", "reward model (trl RewardTrainer, SEQ_CLS LoRA, margins)"),
     "ppo": ("marlhf_edu.stages.ppo", "PPO with four models: actor, critic, reward model, reference"),
     "ma-ppo": ("marlhf_edu.stages.ma_ppo", "multi-adapter PPO: one (4-bit) base, policy/value/reward adapters"),
+    "memory": ("marlhf_edu.memory.command", "plan the memory of four-model PPO and MA-PPO side by side"),
     "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
 }
 

@@ -101,6 +101,11 @@ class PPOBackend:
     tokenizer = None
     device = torch.device("cpu")
 
+    @property
+    def policy_model(self) -> nn.Module:
+        """The causal LM that samples (the policy adapter active, for the multi-adapter backend)."""
+        raise NotImplementedError
+
     def generate(self, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
                  top_p: float = 1.0) -> torch.Tensor:
         """Sample with the KV cache; returns (B, P + R) token ids (R ≤ max_new_tokens)."""
@@ -163,7 +168,8 @@ class FourModelBackend(PPOBackend):
     """Actor, critic, reward model and reference as four separate models (classic RLHF-PPO).
 
     - actor: the SFT model, trainable (all weights, or a LoRA adapter when `actor_lora_r > 0`);
-    - critic: `ValueModel` on a second copy of the SFT backbone, trainable, zero-initialised head;
+    - critic: `ValueModel` on a second copy of the SFT backbone, trained like the actor (all weights,
+      or its own LoRA adapter of the same rank), zero-initialised head;
     - reference: a third copy of the SFT model, frozen;
     - reward: the reward model (backbone + LoRA adapter + score head), frozen.
     All four stay in eval mode: dropout off, so a re-computed log-prob equals the rollout's.
@@ -204,19 +210,25 @@ class FourModelBackend(PPOBackend):
         device = config.resolved_device
         tokenizer = load_tokenizer(sft)
         actor = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
-        if config.actor_lora_r > 0:
+        backbone = AutoModel.from_pretrained(str(sft)).to(device)
+        if config.actor_lora_r > 0:  # the critic follows the actor's recipe: a LoRA on its own backbone
             from peft import LoraConfig, get_peft_model
 
-            actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", r=config.actor_lora_r, lora_dropout=0.0,
-                                                     lora_alpha=config.actor_lora_alpha,
-                                                     target_modules=list(config.lora_target_modules)))
-        critic = ValueModel(AutoModel.from_pretrained(str(sft))).to(device)
+            lora = dict(r=config.actor_lora_r, lora_alpha=config.actor_lora_alpha, lora_dropout=0.0,
+                        target_modules=list(config.lora_target_modules))
+            actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", **lora))
+            backbone = get_peft_model(backbone, LoraConfig(task_type="FEATURE_EXTRACTION", **lora))
+        critic = ValueModel(backbone)
         reference = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
         reward, reward_tokenizer = load_reward_model(config.reward_base_path or sft, adapter)
         return cls(actor, critic, reference, reward.to(device), tokenizer, reward_tokenizer)
 
     def models(self):
         return {"actor": self.actor, "critic": self.critic, "reference": self.reference, "reward": self.reward}
+
+    @property
+    def policy_model(self):
+        return self.actor
 
     def generate(self, input_ids, attention_mask, **sampling):
         return sample(self.actor, self.tokenizer, input_ids, attention_mask, **sampling)

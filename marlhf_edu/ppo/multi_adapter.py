@@ -33,6 +33,8 @@ from marlhf_edu.masked import last_valid_index
 from marlhf_edu.scoring import position_ids_from_mask
 
 VALUE_MODES = ("shared", "adapter")
+#: LoRA rank of the policy and value adapters when the config leaves `actor_lora_r` at 0 (full fine-tuning).
+DEFAULT_ADAPTER_RANK = 16
 
 
 def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
@@ -110,7 +112,7 @@ class MultiAdapterBackend(PPOBackend):
             base = AutoModelForCausalLM.from_pretrained(str(sft), **kwargs)
         if not kwargs:
             base = base.to(device)
-        return cls(base, load_tokenizer(sft), adapter, value_mode=config.value_mode, lora_r=config.actor_lora_r or 16,
+        return cls(base, load_tokenizer(sft), adapter, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
                    lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed)
 
     # ---- the trainable set, guarded ----------------------------------------------------------
@@ -207,6 +209,10 @@ class MultiAdapterBackend(PPOBackend):
         with torch.no_grad():
             for name, tensor in current.items():
                 tensor.copy_(state[name])
+
+    @property
+    def policy_model(self):
+        return self.model
 
     def models(self):
         return {"base+adapters": self.model, "value_head": self.value_head, "reward_head": self.reward_head}

@@ -1,0 +1,362 @@
+"""Planning memory: the bytes PPO's models will hold, before anything is loaded.
+
+For a model shape (`ModelShape`: tiny, Llama-2-7B, …) and a recipe
+(`MemorySettings`: weight dtype or NF4 ± double quantization, LoRA rank and
+target modules per adapter, value mode, optimizer, batch and sequence lengths),
+`plan_four_model` and `plan_multi_adapter` return a `MemoryPlan`:
+
+    weights    base weights: four copies (actor, critic backbone, reference, reward
+               backbone) or one shared base
+    adapters   LoRA matrices r·(d_in + d_out) per targeted linear layer, value and score heads
+    gradients  one per trainable parameter, in its dtype
+    optimizer  AdamW: two moments per trainable parameter, in its dtype (torch keeps them there)
+    kv_cache   2 · L · B_fwd · (P + R) · n_kv · d_head values, while sampling
+    logits     B · (R + 1) · V fp32 values: the largest logits tensor of a forward
+               (only the last R + 1 positions reach the LM head)
+
+NF4 stores two weights per byte, plus per block of 64 weights an absmax:
+fp32 (4 B) plainly, or with double quantization one byte, itself quantized in
+blocks of 256 with fp32 scales. Embeddings, the LM head and norms are never
+quantized; they keep `weight_dtype`. Per block of 64 weights that is
+32 + 4 = 36 B (0.5625 B/weight) or 32 + 1 + 4/256 ≈ 33.02 B (0.516 B/weight).
+
+The four-model plan puts each role on its own copy of the base under the same
+recipe (same weight format; the critic trains a LoRA when the actor does), so
+the two columns differ only in architecture. `rank 0` means "train every weight"
+(four-model only). Taught in chapter 09; checked against `state_bytes_by_kind`
+within 10 % on the tiny models and per layer at Llama-2-7B width.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field, replace
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Optimizer state bytes per byte of trainable parameter.
+OPTIMIZER_STATE_FACTOR = {"adamw": 2.0, "adamw_8bit": None, "sgd": 0.0}
+NF4_CODE_BYTES = 16 * 4          # the 16-entry NF4 code table, fp32, per quantized weight
+DOUBLE_QUANT_CODE_BYTES = 256 * 4  # the 8-bit code table of the nested quantization
+DOUBLE_QUANT_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder that decide its memory."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int = 0            # 0 = num_heads (no grouped-query attention)
+    head_dim: int = 0                # 0 = hidden_size // num_heads
+    tie_word_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(d_in, d_out) of each linear layer in one decoder layer."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.num_heads * self.dim_head, self.kv_heads * self.dim_head
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def n_params(self) -> int:
+        """Parameters of the causal LM (embeddings, layers, final norm, LM head unless tied)."""
+        per_layer = sum(a * b for a, b in self.linear_shapes().values()) + 2 * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.vocab_size * self.hidden_size + self.num_layers * per_layer + self.hidden_size + head
+
+    def with_layers(self, n: int) -> "ModelShape":
+        return replace(self, name=f"{self.name} ({n} layers)", num_layers=n)
+
+    @classmethod
+    def from_config(cls, config, name: str = "") -> "ModelShape":
+        """From a transformers config object or its dict (config.json)."""
+        c = config if isinstance(config, dict) else config.to_dict()
+        return cls(name=name or c.get("_name_or_path") or c.get("model_type", "model"), vocab_size=c["vocab_size"],
+                   hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+                   num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
+                   num_kv_heads=c.get("num_key_value_heads") or 0, head_dim=c.get("head_dim") or 0,
+                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+    @classmethod
+    def resolve(cls, name_or_path: str) -> "ModelShape":
+        """A preset name ('llama-2-7b', 'tiny', a known hub id) or a directory / config.json on disk."""
+        from marlhf_edu.models import SFT_DIR
+        from marlhf_edu.stages.common import ConfigError
+
+        if name_or_path in ("zoo", "tiny"):
+            name_or_path = str(SFT_DIR)
+        if name_or_path in PRESETS:
+            return PRESETS[name_or_path]
+        path = pathlib.Path(name_or_path)
+        path = path / "config.json" if path.is_dir() else path
+        if path.name == "config.json" and path.exists():
+            label = "tiny" if path.parent == SFT_DIR else path.parent.name
+            return cls.from_config(json.loads(path.read_text()), name=label)
+        raise ConfigError(f"model shape {name_or_path!r}: not a preset ({', '.join(sorted(PRESETS))}) and no "
+                          f"config.json found there; pass --model_shape with one of those or a model directory")
+
+
+LLAMA_2_7B = ModelShape("llama-2-7b", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                        num_heads=32)
+PRESETS = {"llama-2-7b": LLAMA_2_7B, "meta-llama/Llama-2-7b-hf": LLAMA_2_7B}
+
+
+@dataclass
+class MemorySettings:
+    """A PPO recipe, as far as memory is concerned."""
+
+    weight_dtype: str = "float32"      # unquantized weights and compute (bfloat16 on GPU)
+    load_in_4bit: bool = False         # NF4 linear layers in the decoder
+    double_quant: bool = True
+    quant_blocksize: int = 64
+    policy_lora_r: int = 16            # 0 = train every weight of the actor (four-model only)
+    value_lora_r: int = 16             # critic / value adapter; 0 = train the whole critic (four-model only)
+    reward_lora_r: int = 16
+    policy_targets: tuple[str, ...] = ALL_LINEAR
+    value_targets: tuple[str, ...] = ALL_LINEAR
+    reward_targets: tuple[str, ...] = ALL_LINEAR
+    value_mode: str = "adapter"        # multi-adapter: 'shared' (head on the policy) or 'adapter' (own LoRA)
+    adapter_dtype: str = "float32"     # peft keeps LoRA weights in fp32 under a 4-bit or bf16 base
+    optimizer: str = "adamw"           # 'adamw', 'adamw_8bit' (bitsandbytes, 2 × 1 B + scales) or 'sgd'
+    forward_batch_size: int = 64       # rows per sampling / no-grad forward (KV cache, logits)
+    micro_batch_size: int = 16         # rows per training forward/backward
+    prompt_length: int = 64
+    response_length: int = 32
+
+    def validate(self) -> "MemorySettings":
+        from marlhf_edu.stages.common import ConfigError
+
+        for name in ("weight_dtype", "adapter_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ConfigError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
+        if self.optimizer not in OPTIMIZER_STATE_FACTOR:
+            raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_FACTOR)}, got {self.optimizer!r}")
+        if self.value_mode not in ("shared", "adapter"):
+            raise ConfigError(f"value_mode must be 'shared' or 'adapter', got {self.value_mode!r}")
+        for name in ("policy_targets", "value_targets", "reward_targets"):
+            unknown = set(getattr(self, name)) - set(ALL_LINEAR)
+            if unknown:
+                raise ConfigError(f"{name}: unknown module(s) {sorted(unknown)}; choose from {ALL_LINEAR}")
+        return self
+
+    @classmethod
+    def from_ppo_config(cls, config, *, reward_lora_r: int, reward_targets, weight_dtype: str = "float32",
+                        optimizer: str = "adamw", prompt_length: int = 0) -> "MemorySettings":
+        """The recipe of a `PPOConfig`: LoRA rank `actor_lora_r` for policy and value (as both engines build
+        them), the reward adapter's own rank and targets, batch and sequence lengths of the run."""
+        targets = tuple(config.lora_target_modules)
+        return cls(weight_dtype=weight_dtype, load_in_4bit=config.load_in_4bit, double_quant=config.double_quant,
+                   policy_lora_r=config.actor_lora_r, value_lora_r=config.actor_lora_r, reward_lora_r=reward_lora_r,
+                   policy_targets=targets, value_targets=targets, reward_targets=tuple(reward_targets),
+                   value_mode=config.value_mode, optimizer=optimizer,
+                   forward_batch_size=min(config.forward_batch_size, config.batch_size),
+                   micro_batch_size=config.micro_batch_size, prompt_length=prompt_length or config.max_prompt_length,
+                   response_length=config.max_new_tokens)
+
+
+# ---- bytes of the pieces ------------------------------------------------------------------------
+
+def linear_weight_bytes(d_in: int, d_out: int, s: MemorySettings) -> int:
+    """One linear layer's weight: `weight_dtype`, or NF4 (packed nibbles + absmax + code tables)."""
+    n = d_in * d_out
+    if not s.load_in_4bit:
+        return n * DTYPE_BYTES[s.weight_dtype]
+    blocks = math.ceil(n / s.quant_blocksize)
+    if s.double_quant:  # absmax as 8-bit codes, one fp32 offset, fp32 scales per 256 of them, an 8-bit code table
+        constants = blocks + 4 + 4 * math.ceil(blocks / DOUBLE_QUANT_BLOCK) + DOUBLE_QUANT_CODE_BYTES
+    else:
+        constants = 4 * blocks
+    return (n + 1) // 2 + constants + NF4_CODE_BYTES
+
+
+def lora_params(shape: ModelShape, r: int, targets) -> int:
+    """LoRA parameters in one decoder layer: r · (d_in + d_out) per targeted linear layer."""
+    return sum(r * (a + b) for name, (a, b) in shape.linear_shapes().items() if name in targets)
+
+
+def layer_weight_bytes(shape: ModelShape, s: MemorySettings) -> int:
+    """One decoder layer of the base: its seven linear layers and two RMSNorm weights."""
+    linears = sum(linear_weight_bytes(a, b, s) for a, b in shape.linear_shapes().values())
+    return linears + 2 * shape.hidden_size * DTYPE_BYTES[s.weight_dtype]
+
+
+def base_weight_bytes(shape: ModelShape, s: MemorySettings, lm_head: bool = True, buffers: bool = True) -> int:
+    """A whole base: embeddings, layers, final norm, the LM head (a critic or reward backbone has none)
+    and the rotary-frequency buffers (two fp32 vectors of d_head / 2, not parameters)."""
+    wb = DTYPE_BYTES[s.weight_dtype]
+    head = shape.vocab_size * shape.hidden_size * wb if lm_head and not shape.tie_word_embeddings else 0
+    rotary = 2 * (shape.dim_head // 2) * 4 if buffers else 0
+    return (shape.vocab_size * shape.hidden_size * wb + shape.num_layers * layer_weight_bytes(shape, s)
+            + shape.hidden_size * wb + head + rotary)
+
+
+def optimizer_bytes(trainable_bytes: int, n_trainable: int, optimizer: str) -> int:
+    if optimizer == "adamw_8bit":  # two uint8 moments + an fp32 scale per block of 256 for each
+        return 2 * (n_trainable + 4 * math.ceil(n_trainable / 256))
+    return int(OPTIMIZER_STATE_FACTOR[optimizer] * trainable_bytes)
+
+
+def activation_bytes(shape: ModelShape, s: MemorySettings) -> dict[str, int]:
+    """KV cache of one sampling batch and the largest logits tensor (fp32) of one forward."""
+    wb = DTYPE_BYTES[s.weight_dtype]
+    tokens = s.prompt_length + s.response_length
+    kv = 2 * shape.num_layers * s.forward_batch_size * tokens * shape.kv_heads * shape.dim_head * wb
+    rows = max(s.forward_batch_size, s.micro_batch_size)
+    return {"kv_cache": kv, "logits": rows * (s.response_length + 1) * shape.vocab_size * 4}
+
+
+# ---- the plans ------------------------------------------------------------------------------------
+
+PARTS = ("weights", "adapters", "gradients", "optimizer", "kv_cache", "logits")
+STATE_PARTS = ("weights", "adapters", "gradients", "optimizer")
+
+
+@dataclass
+class MemoryPlan:
+    """Planned bytes of one architecture under one recipe."""
+
+    architecture: str
+    shape: ModelShape
+    settings: MemorySettings
+    parts: dict[str, int]                          # PARTS → bytes
+    per_model: dict[str, int]                      # weights + adapters held by each role
+    per_layer: dict[str, int] = field(default_factory=dict)  # STATE_PARTS of one decoder layer
+    trainable_params: int = 0
+
+    @property
+    def model_state(self) -> int:
+        """Weights + adapters + gradients + optimizer: what stays allocated for the whole run."""
+        return sum(self.parts[k] for k in STATE_PARTS)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def _trainable(parts: dict, per_layer: dict, trainable_bytes: int, layer_trainable_bytes: int, n: int, n_layer: int,
+               s: MemorySettings) -> None:
+    parts["gradients"], per_layer["gradients"] = trainable_bytes, layer_trainable_bytes
+    parts["optimizer"] = optimizer_bytes(trainable_bytes, n, s.optimizer)
+    per_layer["optimizer"] = optimizer_bytes(layer_trainable_bytes, n_layer, s.optimizer)
+
+
+def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
+    """Actor, critic (backbone + value head), reference and reward model (backbone + LoRA + score head),
+    each on its own copy of the base."""
+    from marlhf_edu.stages.common import ConfigError
+
+    s.validate()
+    if s.load_in_4bit and (s.policy_lora_r == 0 or s.value_lora_r == 0):
+        raise ConfigError("a 4-bit model cannot be trained in full: set policy and value LoRA ranks > 0")
+    wb, ab, h = DTYPE_BYTES[s.weight_dtype], DTYPE_BYTES[s.adapter_dtype], shape.hidden_size
+    full_lm, backbone = base_weight_bytes(shape, s), base_weight_bytes(shape, s, lm_head=False)
+    layer = layer_weight_bytes(shape, s)
+    lora = {role: lora_params(shape, r, t) for role, r, t in (("policy", s.policy_lora_r, s.policy_targets),
+                                                              ("value", s.value_lora_r, s.value_targets),
+                                                              ("reward", s.reward_lora_r, s.reward_targets))}
+    value_head = (h + 1) * 4                      # nn.Linear(h, 1) in fp32
+    reward_heads = 2 * h * wb                     # the score head and peft's trainable copy (modules_to_save)
+    adapters_layer = sum(lora.values()) * ab
+    per_model = {"actor": full_lm + shape.num_layers * lora["policy"] * ab,
+                 "critic": backbone + shape.num_layers * lora["value"] * ab + value_head,
+                 "reference": full_lm,
+                 "reward": backbone + shape.num_layers * lora["reward"] * ab + reward_heads}
+    parts = {"weights": 2 * full_lm + 2 * backbone,
+             "adapters": shape.num_layers * adapters_layer + value_head + reward_heads}
+    per_layer = {"weights": 4 * layer, "adapters": adapters_layer}
+    # trainable: each of actor and critic trains its LoRA, or (rank 0) every weight it has
+    n, n_layer, nbytes, nbytes_layer = 0, 0, 0, 0
+    for role, r, model_bytes in (("policy", s.policy_lora_r, base_weight_bytes(shape, s, buffers=False)),
+                                 ("value", s.value_lora_r, base_weight_bytes(shape, s, lm_head=False, buffers=False))):
+        if r > 0:
+            n += shape.num_layers * lora[role]; n_layer += lora[role]
+            nbytes += shape.num_layers * lora[role] * ab; nbytes_layer += lora[role] * ab
+        else:
+            n += model_bytes // wb; n_layer += layer // wb
+            nbytes += model_bytes; nbytes_layer += layer
+    n += h + 1; nbytes += value_head
+    _trainable(parts, per_layer, nbytes, nbytes_layer, n, n_layer, s)
+    parts.update(activation_bytes(shape, s))
+    return MemoryPlan("four-model", shape, s, parts, per_model, per_layer, n)
+
+
+def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
+    """One base; `policy` LoRA (+ `value` LoRA in adapter mode) trainable, `reward` LoRA and score head frozen,
+    the reference = the base with adapters disabled (no bytes of its own)."""
+    from marlhf_edu.stages.common import ConfigError
+
+    s.validate()
+    if s.policy_lora_r <= 0 or (s.value_mode == "adapter" and s.value_lora_r <= 0):
+        raise ConfigError("multi-adapter PPO trains LoRA adapters: policy (and, in adapter mode, value) rank must be > 0")
+    ab, h = DTYPE_BYTES[s.adapter_dtype], shape.hidden_size
+    base, layer = base_weight_bytes(shape, s), layer_weight_bytes(shape, s)
+    policy = lora_params(shape, s.policy_lora_r, s.policy_targets)
+    value = lora_params(shape, s.value_lora_r, s.value_targets) if s.value_mode == "adapter" else 0
+    reward = lora_params(shape, s.reward_lora_r, s.reward_targets)
+    value_head, reward_head = (h + 1) * 4, h * 4
+    per_model = {"base (and reference)": base, "policy": shape.num_layers * policy * ab,
+                 "value": shape.num_layers * value * ab + value_head,
+                 "reward": shape.num_layers * reward * ab + reward_head}
+    parts = {"weights": base, "adapters": shape.num_layers * (policy + value + reward) * ab + value_head + reward_head}
+    per_layer = {"weights": layer, "adapters": (policy + value + reward) * ab}
+    n_layer = policy + value
+    n = shape.num_layers * n_layer + h + 1
+    _trainable(parts, per_layer, shape.num_layers * n_layer * ab + value_head, n_layer * ab, n, n_layer, s)
+    parts.update(activation_bytes(shape, s))
+    return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n)
+
+
+def multi_adapter_settings(s: MemorySettings) -> MemorySettings:
+    """`s` as `ma-ppo` builds it: rank 0 (full fine-tuning) becomes the default adapter rank."""
+    from marlhf_edu.ppo.multi_adapter import DEFAULT_ADAPTER_RANK
+
+    return replace(s, policy_lora_r=s.policy_lora_r or DEFAULT_ADAPTER_RANK,
+                   value_lora_r=s.value_lora_r or DEFAULT_ADAPTER_RANK)
+
+
+def plan_both(shape: ModelShape, s: MemorySettings) -> dict[str, MemoryPlan]:
+    """Four-model PPO and MA-PPO in both value modes under one recipe. With rank 0 (full fine-tuning,
+    which MA-PPO cannot do) MA-PPO is planned with the rank `ma-ppo` builds then."""
+    ma = multi_adapter_settings(s)
+    return {"four-model": plan_four_model(shape, s),
+            "MA-PPO shared": plan_multi_adapter(shape, replace(ma, value_mode="shared")),
+            "MA-PPO adapter": plan_multi_adapter(shape, replace(ma, value_mode="adapter"))}
+
+
+def _fmt(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def memory_table(plans: dict[str, MemoryPlan]) -> str:
+    """A side-by-side text table: one column per plan, one row per part, the model state and its ratio to the
+    first column's."""
+    labels = list(plans)
+    width = max(14, *(len(x) + 2 for x in labels))
+    rows = [f"{'':22s}" + "".join(f"{x:>{width}s}" for x in labels)]
+    for part in PARTS:
+        rows.append(f"{part:22s}" + "".join(f"{_fmt(p.parts[part]):>{width}s}" for p in plans.values()))
+        if part == "optimizer":
+            rows.append(f"{'= model state':22s}" + "".join(f"{_fmt(p.model_state):>{width}s}" for p in plans.values()))
+    first = next(iter(plans.values())).model_state
+    rows.append(f"{'÷ ' + labels[0]:22s}" + "".join(f"{p.model_state / first:>{width}.3f}" for p in plans.values()))
+    rows.append(f"{'per layer (state)':22s}" + "".join(
+        f"{_fmt(sum(p.per_layer[k] for k in STATE_PARTS)):>{width}s}" for p in plans.values()))
+    rows.append(f"{'trainable params':22s}" + "".join(f"{p.trainable_params:>{width},d}" for p in plans.values()))
+    return "\n".join(rows)

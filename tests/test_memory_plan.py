@@ -1,0 +1,122 @@
+"""The memory planner: known 7B arithmetic, agreement with measurement on the tiny engines and at 7B width."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from marlhf_edu.memory import (LLAMA_2_7B, MemorySettings, ModelShape, plan_both, plan_four_model, plan_multi_adapter,
+                               ppo_memory, state_bytes_by_kind, storage_bytes)
+from marlhf_edu.memory.check import compare, plan_for, real_width_check
+from marlhf_edu.memory.plan import base_weight_bytes, lora_params
+from marlhf_edu.models import REWARD_ADAPTER_DIR
+from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
+from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.toyworld import ToyWorld
+
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_llama_2_7b_arithmetic_matches_the_published_counts():
+    assert LLAMA_2_7B.n_params == 6_738_415_616
+    s = MemorySettings(weight_dtype="bfloat16")
+    assert base_weight_bytes(LLAMA_2_7B, s) == pytest.approx(13.48e9, rel=1e-3)
+    assert base_weight_bytes(LLAMA_2_7B, replace(s, load_in_4bit=True, double_quant=False)) == pytest.approx(4.17e9, rel=2e-3)
+    assert base_weight_bytes(LLAMA_2_7B, replace(s, load_in_4bit=True, double_quant=True)) == pytest.approx(3.87e9, rel=2e-3)
+    assert LLAMA_2_7B.num_layers * lora_params(LLAMA_2_7B, 64, QKVO) == pytest.approx(67.1e6, rel=1e-3)
+    assert LLAMA_2_7B.num_layers * lora_params(LLAMA_2_7B, 64, LLAMA_2_7B.linear_shapes()) == pytest.approx(159.9e6, rel=1e-3)
+    kv = plan_multi_adapter(LLAMA_2_7B, replace(s, forward_batch_size=1, prompt_length=1, response_length=0)).parts
+    assert kv["kv_cache"] == 2**19  # 0.5 MiB per token in bf16
+
+
+def test_ma_ppo_plans_at_most_a_third_of_four_model_at_7b():
+    s = MemorySettings(weight_dtype="bfloat16", load_in_4bit=True, double_quant=True, policy_lora_r=64,
+                       value_lora_r=64, reward_lora_r=32, reward_targets=QKVO)
+    for targets in (QKVO, LLAMA_2_7B.linear_shapes()):
+        plans = plan_both(LLAMA_2_7B, replace(s, policy_targets=tuple(targets), value_targets=tuple(targets)))
+        four, shared, adapter = (p.model_state for p in plans.values())
+        assert shared <= four / 3
+        assert shared < adapter < four  # a second trainable adapter costs its weights, gradients and moments
+    # one base instead of four (critic and reward backbones have no LM head, V·H bf16 values each)
+    plans = plan_both(LLAMA_2_7B, s)
+    lm_head = 32000 * 4096 * 2
+    assert plans["four-model"].parts["weights"] == 4 * plans["MA-PPO shared"].parts["weights"] - 2 * lm_head
+
+
+def test_planner_rejects_what_cannot_train():
+    with pytest.raises(ConfigError, match="4-bit model cannot be trained in full"):
+        plan_four_model(LLAMA_2_7B, MemorySettings(load_in_4bit=True, policy_lora_r=0))
+    with pytest.raises(ConfigError, match="trains LoRA adapters"):
+        plan_multi_adapter(LLAMA_2_7B, MemorySettings(policy_lora_r=0))
+    with pytest.raises(ConfigError, match="unknown module"):
+        plan_multi_adapter(LLAMA_2_7B, MemorySettings(policy_targets=("qproj",)))
+    with pytest.raises(ConfigError, match="not a preset"):
+        ModelShape.resolve("no/such-model")
+    assert ModelShape.resolve("zoo").n_params == 1_967_808
+
+
+def test_storages_are_counted_once():
+    w = torch.zeros(10, 10)
+    assert storage_bytes([w, w[:5], w.view(100)]) == 400
+    shared = torch.nn.Linear(10, 10, bias=False)
+    models = {"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)}
+    assert state_bytes_by_kind(models)["weights"] == 400
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [p.prompt for p in ToyWorld().train_prompts]
+
+
+TINY = dict(batch_size=16, mini_batch_size=16, micro_batch_size=8, forward_batch_size=16, max_new_tokens=16,
+            device="cpu", eval_repeats=0)
+
+
+@pytest.mark.parametrize("backend_cls, overrides", [
+    (FourModelBackend, {}),                                              # full actor and critic, fp32
+    (FourModelBackend, {"actor_lora_r": 8}),                             # LoRA actor and critic
+    (MultiAdapterBackend, {"value_mode": "shared", "load_in_4bit": True}),
+    (MultiAdapterBackend, {"value_mode": "adapter", "load_in_4bit": True}),
+    (MultiAdapterBackend, {"value_mode": "adapter", "load_in_4bit": True, "double_quant": False}),
+    (MultiAdapterBackend, {"value_mode": "adapter", "actor_lora_r": 4}),  # fp32 base
+], ids=["four-full", "four-lora", "ma-shared-nf4", "ma-adapter-nf4", "ma-adapter-nf4-plain", "ma-adapter-fp32"])
+def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backend_cls, overrides):
+    config = PPOConfig(output_dir=str(tmp_path), **{**TINY, **overrides})
+    torch.manual_seed(0)
+    trainer = PPOTrainer(backend_cls.from_config(config), config, prompts)
+    measured = ppo_memory(trainer)
+    assert measured["model"]["gradients"] > 0 and measured["model"]["optimizer"] > 0
+    assert all(p.grad is None for p in trainer.optimizer.param_groups[0]["params"])  # freed again
+    rows = compare(plan_for(trainer, ModelShape.resolve("zoo"), REWARD_ADAPTER_DIR, measured), measured)
+    for part, row in rows.items():
+        assert row["ratio"] == pytest.approx(1.0, abs=0.02), (part, row)  # the issue asks ≤ 10 %; it is exact today
+
+
+def test_planner_matches_one_ma_ppo_step_at_llama_2_7b_width(tmp_path):
+    """One decoder layer of Llama-2-7B's widths in NF4, policy + value LoRA r=64, reward LoRA r=32: ~1 min on CPU."""
+    result = real_width_check(tmp_path, num_layers=1, value_mode="adapter", lora_r=64, reward_r=32)
+    rows = result["comparison"]
+    assert rows["layer weights"]["measured"] > 100e6  # 202 M weights at ~0.52 B each
+    for part, row in rows.items():
+        assert row["ratio"] == pytest.approx(1.0, abs=0.02), (part, row)
+
+
+def test_memory_command_prints_the_side_by_side_table(capsys):
+    from marlhf_edu.cli import main
+
+    assert main(["memory", "--config", "configs/memory_llama2_7b.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-2-7b: 6,738,415,616 parameters" in out and "NF4 + double quant" in out
+    ratios = next(line for line in out.splitlines() if line.startswith("÷ four-model")).split()[2:]
+    assert float(ratios[0]) == 1.0 and float(ratios[1]) <= 1 / 3
+    assert main(["memory", "--config", "configs/tiny_ma_ppo.yaml", "--model_shap", "x"]) == 2
+    assert "did you mean 'model_shape'" in capsys.readouterr().err
+
+
+def test_four_model_critic_follows_the_actor_recipe(tmp_path):
+    config = PPOConfig(output_dir=str(tmp_path), actor_lora_r=4, device="cpu", eval_repeats=0)
+    backend = FourModelBackend.from_config(config)
+    value = backend.parameter_groups()["value"]
+    names = {id(p): n for n, p in backend.critic.named_parameters()}
+    assert value and all("lora_" in names[id(p)] or "value_head" in names[id(p)] for p in value)
