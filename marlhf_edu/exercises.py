@@ -319,3 +319,33 @@ def check_response_mask(fn: Callable) -> CheckReport:
         case("pad sampled before EOS", torch.tensor([[5, pad, 6, eos, pad]])),
         case("random ids", random_ids),
     ])
+
+
+def check_nf4_bytes(fn: Callable) -> CheckReport:
+    """Check `fn(d_in, d_out, double_quant) -> int`: the bytes bitsandbytes holds for one NF4 linear weight.
+
+    Chapter 09's exercise; compared with `marlhf_edu.memory.plan.linear_weight_bytes`
+    (blocks of 64, the 16-entry fp32 NF4 code table; with double quantization the
+    absmax as bytes, an fp32 offset, fp32 scales per 256 absmax values and a
+    256-entry fp32 code table), which itself matches measured storages exactly.
+    """
+    from marlhf_edu.memory.plan import MemorySettings, linear_weight_bytes
+
+    def case(label, d_in, d_out, double_quant):
+        def run():
+            got = fn(d_in, d_out, double_quant)
+            expected = linear_weight_bytes(d_in, d_out, MemorySettings(load_in_4bit=True, double_quant=double_quant))
+            if not isinstance(got, int) or got != expected:
+                return f"{label}: got {got!r}, expected {expected} bytes"
+            return None
+        return label, run
+
+    return _run("check_nf4_bytes", [
+        case("tiny q_proj 192×192, plain", 192, 192, False),
+        case("tiny q_proj 192×192, double quant", 192, 192, True),
+        case("Llama-2-7B up_proj 4096×11008, plain", 4096, 11008, False),
+        case("Llama-2-7B up_proj 4096×11008, double quant", 4096, 11008, True),
+        case("a partial last block (10×10), double quant", 10, 10, True),
+        case("an odd number of weights (7×9): one byte holds the last nibble", 7, 9, False),
+        case("more than 256 blocks but not a multiple (4096×5), double quant", 4096, 5, True),
+    ])

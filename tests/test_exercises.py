@@ -74,3 +74,17 @@ def test_ppo_chapter_checker():
     assert ex.check_response_mask(response_mask_from_ids)
     assert not ex.check_response_mask(lambda ids, eos: ids != 3)  # "not padding" misses tokens after the first EOS
     assert not ex.check_response_mask(lambda ids, eos: torch.cumsum(ids == eos, 1) == 0)  # drops the EOS itself
+
+
+def test_check_nf4_bytes_passes_the_reference_and_fails_classic_mistakes():
+    import math
+
+    from marlhf_edu.memory.plan import MemorySettings, linear_weight_bytes
+
+    assert ex.check_nf4_bytes(lambda a, b, dq: linear_weight_bytes(a, b, MemorySettings(load_in_4bit=True, double_quant=dq)))
+    assert not ex.check_nf4_bytes(lambda a, b, dq: a * b // 2)  # "4 bits per weight" forgets the constants
+    # absmax rounded down instead of up: wrong whenever the last block is partial
+    assert not ex.check_nf4_bytes(lambda a, b, dq: (a * b + 1) // 2 + 64 + (
+        a * b // 64 + 4 + 4 * math.ceil(a * b / 64 / 256) + 1024 if dq else 4 * (a * b // 64)))
+    # double quantization ignored
+    assert not ex.check_nf4_bytes(lambda a, b, dq: (a * b + 1) // 2 + 64 + 4 * math.ceil(a * b / 64))
