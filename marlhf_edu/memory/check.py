@@ -77,6 +77,8 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
+    from marlhf_edu.ppo.multi_adapter import nf4_loading_kwargs
+
     out_dir = pathlib.Path(out_dir)
     model_dir, reward_dir = out_dir / "model", out_dir / "reward"
     tokenizer = synthetic_tokenizer(shape.vocab_size)
@@ -91,21 +93,11 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
     tokenizer.save_pretrained(str(model_dir))
     # the reward adapter is built on a 4-bit copy: its LoRA and head shapes are all that matter
     reward = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1,
-                                                                **_four_bit_kwargs(True, "cpu"))
+                                                                **nf4_loading_kwargs("cpu"))
     lora = LoraConfig(task_type="SEQ_CLS", r=reward_r, lora_alpha=8, target_modules=list(reward_targets or
                                                                                        ["q_proj", "k_proj", "v_proj", "o_proj"]))
     get_peft_model(reward, lora).save_pretrained(str(reward_dir))
     return model_dir, reward_dir
-
-
-def _four_bit_kwargs(double_quant: bool, device: str) -> dict:
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_use_double_quant=double_quant,
-                                                      bnb_4bit_compute_dtype=torch.float32),
-            "device_map": {"": device}}
 
 
 def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", lora_r: int = 64,

@@ -37,6 +37,18 @@ VALUE_MODES = ("shared", "adapter")
 DEFAULT_ADAPTER_RANK = 16
 
 
+def nf4_loading_kwargs(device: str, double_quant: bool = True) -> dict:
+    """`from_pretrained` arguments for an NF4 base on `device`: compute in bf16 on CUDA, fp32 on CPU
+    (this CPU has no fast bf16), the whole model on that one device."""
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_use_double_quant=double_quant,
+                                                      bnb_4bit_compute_dtype=compute),
+            "device_map": {"": device}}
+
+
 def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
     """The reward adapter's score head (hidden → 1), read from its safetensors file and frozen."""
     from safetensors.torch import load_file
@@ -100,14 +112,7 @@ class MultiAdapterBackend(PPOBackend):
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
         device = config.resolved_device
-        kwargs = {}
-        if config.load_in_4bit:
-            from transformers import BitsAndBytesConfig
-
-            kwargs = {"quantization_config": BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=config.double_quant,
-                bnb_4bit_compute_dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32),
-                "device_map": {"": device}}
+        kwargs = nf4_loading_kwargs(device, config.double_quant) if config.load_in_4bit else {}
         with quiet_loading():
             base = AutoModelForCausalLM.from_pretrained(str(sft), **kwargs)
         if not kwargs:
