@@ -14,14 +14,14 @@ Used by `tools/bench_memory.py` and the tests; taught in chapter 09.
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 from dataclasses import replace
 
 from marlhf_edu.memory.measure import ppo_memory
 from marlhf_edu.memory.plan import (LLAMA_2_7B, STATE_PARTS, MemoryPlan, MemorySettings, ModelShape,
-                                    multi_adapter_settings, plan_four_model, plan_multi_adapter)
+                                    multi_adapter_settings, plan_four_model, plan_multi_adapter,
+                                    saved_lora_recipe)
 
 
 def compare(plan: MemoryPlan, measured: dict) -> dict:
@@ -41,9 +41,9 @@ def plan_for(trainer, shape: ModelShape, reward_adapter_dir, measured: dict | No
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
 
     cfg = trainer.config
-    reward = json.loads((pathlib.Path(reward_adapter_dir) / "adapter_config.json").read_text())
+    reward_r, reward_targets = saved_lora_recipe(reward_adapter_dir)
     weight_dtype = str(next(trainer.backend.policy_model.parameters()).dtype).removeprefix("torch.")
-    s = MemorySettings.from_ppo_config(cfg, reward_lora_r=reward["r"], reward_targets=reward["target_modules"],
+    s = MemorySettings.from_ppo_config(cfg, reward_lora_r=reward_r, reward_targets=reward_targets,
                                        weight_dtype=weight_dtype)
     if measured is not None:
         m = measured["shape"]
@@ -129,5 +129,5 @@ def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", 
         trainer = PPOTrainer(backend, config, prompts)
         measured = ppo_memory(trainer)
     plan = plan_for(trainer, shape, reward_dir, measured)
-    return {"shape": vars(shape), "settings": {k: v for k, v in vars(plan.settings).items()},
+    return {"shape": vars(shape), "settings": dict(vars(plan.settings)),
             "comparison": compare(plan, measured), "seconds": round(time.perf_counter() - start, 1)}

@@ -10,8 +10,6 @@ options, and prints the planner's table. Taught in chapter 09.
 
 from __future__ import annotations
 
-import json
-import pathlib
 from dataclasses import dataclass, field
 
 
@@ -29,21 +27,20 @@ class MemoryArguments:
 
 def settings_and_shape(config, args: MemoryArguments):
     """The `(ModelShape, MemorySettings)` a PPO config and the planning options describe."""
-    from marlhf_edu.memory.plan import MemorySettings, ModelShape
+    from marlhf_edu.memory.plan import MemorySettings, ModelShape, saved_lora_recipe
     from marlhf_edu.models import REWARD_ADAPTER_DIR
     from marlhf_edu.stages.common import ConfigError
 
     shape = ModelShape.resolve(args.model_shape or config.sft_model_path)
     r, targets = args.reward_lora_r, list(args.reward_target_modules)
     if not r or not targets:
-        adapter = pathlib.Path(REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path)
-        if not (adapter / "adapter_config.json").exists():
-            if not r:
-                raise ConfigError(f"reward adapter {adapter} not found: pass --reward_lora_r (and "
-                                  f"--reward_target_modules) to plan without it")
-        else:
-            saved = json.loads((adapter / "adapter_config.json").read_text())
-            r, targets = r or saved["r"], targets or sorted(saved["target_modules"])
+        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+        saved = saved_lora_recipe(adapter)
+        if saved is None and not r:
+            raise ConfigError(f"reward adapter {adapter} not found: pass --reward_lora_r (and "
+                              f"--reward_target_modules) to plan without it")
+        if saved is not None:
+            r, targets = r or saved[0], targets or list(saved[1])
     dtype = args.weight_dtype
     if dtype == "auto":
         dtype = "bfloat16" if config.device.startswith("cuda") else "float32"

@@ -237,8 +237,9 @@ def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
     forward with the KV cache on (its bytes), the policy's response logits (their
     bytes), and a backward of the policy's log-probs and values (so gradients
     exist) before counting. Returns `{"model": state_bytes_by_kind,
-    "layer": layer_state_bytes, "activations": {"kv_cache", "logits"}}`; the
-    gradients are freed again afterwards.
+    "layer": layer_state_bytes, "activations": {"kv_cache", "logits"}, "shape":
+    {"rows", "prompt_length", "response_length"}}` (the shape measured, to plan
+    with); the gradients are freed again afterwards.
     """
     import torch
 

@@ -168,6 +168,15 @@ class MemorySettings:
                    response_length=config.max_new_tokens)
 
 
+def saved_lora_recipe(adapter_dir) -> tuple[int, tuple[str, ...]] | None:
+    """`(rank, target modules)` of a saved LoRA adapter (its adapter_config.json), or None if there is none."""
+    path = pathlib.Path(adapter_dir) / "adapter_config.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    return saved["r"], tuple(m for m in ALL_LINEAR if m in saved["target_modules"])
+
+
 # ---- bytes of the pieces ------------------------------------------------------------------------
 
 def linear_weight_bytes(d_in: int, d_out: int, s: MemorySettings) -> int:
