@@ -11,6 +11,10 @@ from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.masked import last_valid_index, masked_mean, masked_var, masked_whiten
 from marlhf_edu.ppo_objective import policy_loss, ppo_loss, value_loss
 from marlhf_edu.reward import llama2_reward_select, pairwise_reward_loss
+from marlhf_edu.quantization import quiet_bitsandbytes_cpu_notice
+
+# Before peft/trl import bitsandbytes: its CPU-kernel notice would reach stored outputs on some CPUs only.
+quiet_bitsandbytes_cpu_notice()
 
 __version__ = "0.1.0"
 

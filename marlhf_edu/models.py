@@ -78,8 +78,11 @@ def load_sft_model(path: pathlib.Path | str = SFT_DIR, **from_pretrained_kwargs)
     """
     from transformers import AutoModelForCausalLM
 
+    from marlhf_edu.quantization import keep_nf4_trainable
+
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(str(path), **from_pretrained_kwargs)
+    keep_nf4_trainable(model)  # see marlhf_edu.quantization: eval mode must not repack a 4-bit base
     return model.eval(), tokenizer
 
 
@@ -93,7 +96,10 @@ def load_reward_model(sft_path: pathlib.Path | str = SFT_DIR, adapter_path: path
     from transformers import AutoModelForSequenceClassification
 
     tokenizer = load_tokenizer(sft_path)
+    from marlhf_edu.quantization import keep_nf4_trainable
+
     base = AutoModelForSequenceClassification.from_pretrained(str(sft_path), num_labels=1, **from_pretrained_kwargs)
+    keep_nf4_trainable(base)
     base.config.pad_token_id = tokenizer.pad_token_id
     model = PeftModel.from_pretrained(base, str(adapter_path), is_trainable=False)
     return model.eval(), tokenizer

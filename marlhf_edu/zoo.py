@@ -71,6 +71,7 @@ def rebuild(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dic
     rm_dir.mkdir(parents=True)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         shutil.copy(work / "rm" / name, rm_dir / name)
+    relative_base_path(rm_dir, sft_dir)
     timings["rm_s"] = time.perf_counter() - t
 
     model, tokenizer = load_sft_model(sft_dir)
@@ -80,6 +81,18 @@ def rebuild(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dic
                "total_s": round(time.perf_counter() - start, 1)}
     (out / "zoo_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def relative_base_path(adapter_dir: pathlib.Path, base_dir: pathlib.Path) -> str:
+    """Record the adapter's base as a path relative to the adapter directory (peft writes the absolute build path,
+    which names a directory on the machine that built it and nowhere else)."""
+    import os
+
+    config_path = adapter_dir / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = os.path.relpath(base_dir.resolve(), adapter_dir.resolve())
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config["base_model_name_or_path"]
 
 
 def main(argv: list[str] | None = None):

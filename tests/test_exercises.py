@@ -16,6 +16,62 @@ def test_reference_implementations_pass():
     assert ex.check_policy_loss(policy_loss)
 
 
+def test_independent_solutions_pass_and_near_misses_fail():
+    """The checkers compare with the package's implementations; this shows they judge against the right values.
+
+    Each solution here is written independently of the package (loops, textbook formulas). It must pass, and
+    the same solution off by 0.1 % must fail, so a checker that accepted anything close would be caught.
+    """
+    import math
+
+    def loop_masked_mean(values, mask):
+        flat_v, flat_m = values.flatten().tolist(), mask.flatten().tolist()
+        picked = [v for v, k in zip(flat_v, flat_m) if k]
+        return torch.tensor(sum(picked) / len(picked), dtype=values.dtype)
+
+    def softplus_loss(chosen, rejected, margin=None):
+        gap = chosen - rejected - (0 if margin is None else margin)
+        return torch.nn.functional.softplus(-gap).mean()
+
+    def textbook_logprobs(logits, labels):
+        z = logits - logits.max(-1, keepdim=True).values
+        return (z - z.exp().sum(-1, keepdim=True).log()).gather(-1, labels[..., None]).squeeze(-1)
+
+    def textbook_k3(logprob, ref_logprob):  # r − 1 − log r, with expm1 so tiny differences do not cancel
+        log_r = ref_logprob - logprob
+        return torch.expm1(log_r) - log_r
+
+    def loop_gae(values, rewards, mask, gamma, lam):
+        B, T = values.shape
+        adv = torch.zeros_like(values)
+        for b in range(B):
+            idx = [t for t in range(T) if mask[b, t]]
+            running = 0.0
+            for j in reversed(range(len(idx))):
+                t = idx[j]
+                next_v = values[b, idx[j + 1]] if j + 1 < len(idx) else 0.0
+                running = rewards[b, t] + gamma * next_v - values[b, t] + gamma * lam * running
+                adv[b, t] = running
+        return adv, (adv + values) * mask  # nothing at masked positions
+
+    def textbook_policy_loss(logprobs, old_logprobs, advantages, mask, cliprange):
+        ratio = torch.exp(logprobs - old_logprobs)
+        loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
+        return (loss * mask).sum() / mask.sum()
+
+    cases = [(ex.check_masked_mean, loop_masked_mean, ()), (ex.check_pairwise_reward_loss, softplus_loss, ()),
+             (ex.check_logprobs_from_logits, textbook_logprobs, ()), (ex.check_kl_penalty, textbook_k3, ("k3",)),
+             (ex.check_gae_advantages, loop_gae, ()), (ex.check_policy_loss, textbook_policy_loss, ())]
+    for check, solution, extra in cases:
+        assert check(solution, *extra), check.__name__
+
+        def off_by_a_little(*args, _solution=solution):
+            out = _solution(*args)
+            return tuple(o * 1.001 + 1e-3 for o in out) if isinstance(out, tuple) else out * 1.001 + 1e-3
+        assert not check(off_by_a_little, *extra), check.__name__
+    assert math.isfinite(float(softplus_loss(torch.tensor([-400.0]), torch.tensor([0.0]))))
+
+
 def test_classic_mistakes_fail():
     assert not ex.check_masked_mean(lambda v, m: (v * m).sum() / m.sum())
     assert not ex.check_masked_mean(lambda v, m: v.mean())

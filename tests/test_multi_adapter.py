@@ -26,20 +26,60 @@ def build(tmp_path, backend_cls, prompts, **overrides):
     return PPOTrainer(backend, config, prompts)
 
 
-@pytest.mark.parametrize("value_mode", ["shared", "adapter"])
-def test_first_step_matches_four_model_ppo(tmp_path, prompts, value_mode):
-    records, first = {}, {}
+def test_first_minibatch_matches_four_model_ppo_with_a_shared_head(tmp_path, prompts):
+    """`shared` trains the policy adapter with the value loss too, so it equals four-model PPO only up to the first
+    optimizer step: compare the rollout statistics and the first minibatch's losses."""
+    stats, first = {}, {}
     for cls in (FourModelBackend, MultiAdapterBackend):
-        trainer = build(tmp_path, cls, prompts, value_mode=value_mode)
+        trainer = build(tmp_path, cls, prompts, value_mode="shared")
         torch.manual_seed(1)
-        records[cls] = trainer.step()
+        stats[cls] = trainer.rollout_stats(trainer.rollout(trainer.batch_prompts(0)))
+        torch.manual_seed(1)
+        trainer.step()
         first[cls] = trainer.minibatch_stats[0]
-    a, b = records[FourModelBackend], records[MultiAdapterBackend]
-    for key in a:
-        if not key.startswith("time/"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    for key in stats[FourModelBackend]:
+        assert stats[MultiAdapterBackend][key] == pytest.approx(stats[FourModelBackend][key], rel=1e-5, abs=1e-6), key
     for key in first[FourModelBackend]:
         assert first[MultiAdapterBackend][key] == pytest.approx(first[FourModelBackend][key], rel=1e-5, abs=1e-6), key
+
+
+def _copy_lora_a(four: FourModelBackend, ma: MultiAdapterBackend) -> None:
+    """Give MA-PPO's policy and value adapters the four-model actor's and critic's LoRA A matrices (B is 0 in both)."""
+    ma_params = dict(ma.model.named_parameters())
+    with torch.no_grad():
+        for prefix, module, adapter in (("", four.actor, "policy"), ("model.", four.critic.backbone, "value")):
+            for name, p in module.named_parameters():
+                if ".lora_" in name:
+                    target = name.replace("base_model.model.", "base_model.model." + prefix).replace(".default.", f".{adapter}.")
+                    ma_params[target].copy_(p)
+
+
+def test_two_steps_with_two_minibatches_match_four_model_ppo(tmp_path, prompts):
+    """With a value adapter, MA-PPO is four-model PPO with LoRA actor and critic on one fp32 base: after two steps
+    of two minibatches each (four optimizer steps), the records and the trained weights agree."""
+    trainers = {cls: build(tmp_path, cls, prompts, value_mode="adapter", mini_batch_size=4)
+                for cls in (FourModelBackend, MultiAdapterBackend)}
+    four, ma = trainers[FourModelBackend], trainers[MultiAdapterBackend]
+    _copy_lora_a(four.backend, ma.backend)
+    for step in range(2):
+        records = {}
+        for cls, trainer in trainers.items():
+            torch.manual_seed(10 + step)
+            records[cls] = trainer.step()
+        assert records[FourModelBackend]["ppo/skipped_minibatches"] == 0 and len(four.minibatch_stats) == 2
+        for key, value in records[FourModelBackend].items():
+            if not key.startswith("time/"):
+                assert records[MultiAdapterBackend][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+    ma_params = dict(ma.backend.model.named_parameters())
+    moved = 0
+    for prefix, module, adapter in (("", four.backend.actor, "policy"), ("model.", four.backend.critic.backbone, "value")):
+        for name, p in module.named_parameters():
+            if ".lora_B" in name:
+                target = name.replace("base_model.model.", "base_model.model." + prefix).replace(".default.", f".{adapter}.")
+                torch.testing.assert_close(ma_params[target], p, rtol=1e-3, atol=1e-6, msg=target)
+                moved += int(p.abs().sum() > 0)
+    assert moved > 0
+    torch.testing.assert_close(ma.backend.value_head.weight, four.backend.critic.value_head.weight, rtol=1e-3, atol=1e-6)
 
 
 def _texts_batch(tokenizer, side):
@@ -94,6 +134,59 @@ def test_reference_is_the_bare_base_and_frozen_parts_stay_bit_identical(tmp_path
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     policy = be.policy_forward(r.input_ids, r.attention_mask, r.n_response, 1.0)[0]
     assert (policy - got).abs().max() > 1e-3  # while the policy itself has moved
+
+
+def test_first_step_kl_is_zero_because_the_reference_disables_the_adapter(tmp_path, prompts):
+    """A fresh LoRA (B = 0) equals the base anyway; with B perturbed, KL = 0 at step 1 only holds if the reference
+    really runs with the adapter disabled and the policy with it enabled."""
+    trainer = build(tmp_path, MultiAdapterBackend, prompts)
+    be = trainer.backend
+    with torch.no_grad():
+        for name, p in be.model.named_parameters():
+            if ".lora_B.policy" in name:
+                p.normal_(0, 0.05)
+    r = trainer.rollout(trainer.batch_prompts(0))
+    sft, _ = load_sft_model()
+    with torch.no_grad():
+        plain = sequence_logprobs(sft, r.input_ids, r.attention_mask, r.n_response, 1.0)[0]
+    torch.testing.assert_close(r.ref_logprobs, plain, atol=1e-5, rtol=1e-5)  # reference = the bare base
+    assert (r.logprobs - r.ref_logprobs)[r.response_mask].abs().max() > 1e-2  # the policy is not the base
+    record = trainer.rollout_stats(r)
+    assert abs(record["kl/k1"]) > 1e-3  # so the KL is measured between two different models
+
+
+def test_reward_adapter_on_another_base_is_refused(tmp_path):
+    from marlhf_edu.stages.common import ConfigError
+
+    config = PPOConfig(output_dir=str(tmp_path), reward_base_path=str(tmp_path), **SMALL)
+    with pytest.raises(ConfigError, match="reward_base_path=.* differs from sft_model_path"):
+        MultiAdapterBackend.from_config(config)
+    from marlhf_edu.models import SFT_DIR
+
+    same = PPOConfig(output_dir=str(tmp_path), reward_base_path=str(SFT_DIR) + "/", **SMALL)
+    assert MultiAdapterBackend.from_config(same).value_mode == "shared"  # the same directory, spelled otherwise
+
+
+def test_value_adapter_can_start_as_the_reward_adapter(tmp_path, prompts):
+    from marlhf_edu.stages.common import ConfigError
+
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, value_mode="adapter", critic_init="reward_model")
+    be = trainer.backend
+    enc = _texts_batch(be.tokenizer, "left")
+    n = enc["input_ids"].shape[1] - 1  # values of every position but the first
+    with torch.no_grad():
+        values = be.policy_forward(enc["input_ids"], enc["attention_mask"], n, 1.0)[1]
+    scores = be.scores(enc["input_ids"], enc["attention_mask"])
+    # left padding: the last real token is the last position, whose value is not among the R "before" values;
+    # the last "before" value is V(s) one token earlier, so compare the head applied at the last position instead
+    with torch.no_grad(), be._use_adapter("value"):
+        hidden = be._hidden(enc["input_ids"], enc["attention_mask"])
+    torch.testing.assert_close(be.value_head(hidden[:, -1]).squeeze(-1), scores, atol=1e-5, rtol=1e-5)
+    assert values.shape == (6, n)
+    assert all(p.requires_grad for n_, p in be.model.named_parameters() if ".value." in n_)
+    assert not any(p.requires_grad for n_, p in be.model.named_parameters() if ".reward." in n_)
+    with pytest.raises(ConfigError, match="critic_init: reward_model needs value_mode: adapter"):
+        build(tmp_path, MultiAdapterBackend, prompts, value_mode="shared", critic_init="reward_model")
 
 
 def test_adapter_switches_keep_the_trainable_set(tmp_path, prompts):

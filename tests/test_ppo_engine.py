@@ -139,13 +139,97 @@ def test_missing_eos_penalty_and_score_transforms(tmp_path, prompts):
     assert abs(float(whitened.mean())) < 1e-6 and float(whitened.std()) == pytest.approx(1.0, abs=1e-6)
 
 
-def test_early_stopping_cuts_the_epochs(tmp_path, prompts):
+def test_early_stopping_checks_once_per_epoch_like_trl(tmp_path, prompts):
     trainer = make_trainer(tmp_path, prompts, ppo_epochs=4, early_stopping=True, early_stopping_target_kl=1e-12)
     record = trainer.step()
+    # trl 0.11: the epoch runs to its end (2 minibatches of 4), then its last minibatch's policykl stops the rest
+    assert record["ppo/early_stopped"] == 1.0 and record["ppo/epochs"] == 1
+    assert len(trainer.minibatch_stats) == 2 and trainer.minibatch_stats[-1]["policy/policykl"] > 1.5e-12
+
+
+def test_early_stopping_per_minibatch_when_asked(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts, ppo_epochs=4, early_stopping=True, early_stopping_target_kl=1e-12,
+                           early_stopping_check="minibatch")
+    record = trainer.step()
     kls = [m["policy/policykl"] for m in trainer.minibatch_stats]
-    # it stops right after the first minibatch whose policykl exceeds 1.5 × target, before running all 4 epochs
-    assert record["ppo/early_stopped"] == 1.0 and record["ppo/epochs"] < 4
-    assert kls[-1] > 1.5e-12 and all(k <= 1.5e-12 for k in kls[:-1])
+    # it stops right after the first minibatch whose policykl exceeds 1.5 × target
+    assert record["ppo/early_stopped"] == 1.0 and record["ppo/epochs"] == 1
+    assert kls[-1] > 1.5e-12 and all(k <= 1.5e-12 for k in kls[:-1]) and len(kls) < 2 * 4
+
+
+def test_a_skipped_minibatch_takes_no_optimizer_step(tmp_path, prompts):
+    """AdamW with zero gradients still moves weights (momentum, weight decay): a skip must not call step()."""
+    trainer = make_trainer(tmp_path, prompts, weight_decay=0.1)
+    trainer.step()  # a normal step leaves momentum in AdamW
+    before = {k: v.clone() for k, v in trainer.backend.trainable_state_dict().items()}
+    trainer.config.ratio_threshold = 1e-3  # every minibatch's mean ratio (≈ 1) now exceeds it
+    record = trainer.step()
+    after = trainer.backend.trainable_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped minibatch moved the weights"
+    # 8 rollouts in minibatches of 4 (micro-batches of 2): 2 skipped minibatches, not 4 micro-batches
+    assert record["ppo/skipped_minibatches"] == 2
+
+
+def test_evaluation_sampling_restores_every_rng(monkeypatch):
+    from marlhf_edu.ppo import trainer as trainer_module
+
+    seen, real_fork_rng = {}, torch.random.fork_rng
+
+    def fake_fork_rng(devices):
+        seen["devices"] = list(devices)
+        return real_fork_rng(devices=[])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.random, "fork_rng", fake_fork_rng)
+    with trainer_module.fork_all_rngs():
+        pass
+    assert seen["devices"] == [0, 1]  # manual_seed reseeds every CUDA device, so all of them are restored
+
+
+def test_rollout_logprobs_are_the_samplers_own_distribution(tmp_path, prompts):
+    """At T = 0.7 with left padding, the engine's log-probs of the sampled tokens equal log softmax of the scores
+    `generate` sampled from (a temperature applied in sampling but not in scoring would break this)."""
+    from marlhf_edu.ppo.backends import sample
+
+    trainer = make_trainer(tmp_path, prompts, temperature=0.7)
+    be, tok = trainer.backend, trainer.tokenizer
+    enc = tok(trainer.batch_prompts(0), return_tensors="pt", padding=True, padding_side="left")
+    assert (enc["attention_mask"] == 0).any()  # really left-padded
+    torch.manual_seed(1)
+    out = be.actor.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=True,
+                            temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                            eos_token_id=tok.eos_token_id, output_scores=True, return_dict_in_generate=True)
+    torch.manual_seed(1)
+    assert torch.equal(out.sequences, sample(be.actor, tok, enc["input_ids"], enc["attention_mask"], max_new_tokens=12,
+                                             temperature=0.7))  # the engine's sampler is this generate call
+    P = enc["input_ids"].shape[1]
+    response = out.sequences[:, P:]
+    mask = response_mask_from_ids(response, tok.eos_token_id)
+    sampler = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
+    sampler = sampler.gather(-1, response[..., None]).squeeze(-1)
+    attention = torch.cat([enc["attention_mask"].bool(), mask], 1).long()
+    with torch.no_grad():
+        ours = be.policy_forward(out.sequences, attention, response.shape[1], 0.7)[0]
+    torch.testing.assert_close(ours[mask], sampler[mask], atol=2e-5, rtol=1e-5)
+    with torch.no_grad():  # scoring at T = 1 instead: visibly off-policy
+        wrong = be.policy_forward(out.sequences, attention, response.shape[1], 1.0)[0]
+    assert (wrong[mask] - sampler[mask]).abs().max() > 1e-2
+
+
+def test_critic_can_start_as_the_reward_model(tmp_path, prompts):
+    """`critic_init: reward_model`: before any update, V at the last real token is the reward model's score."""
+    from marlhf_edu.masked import last_valid_index
+
+    trainer = make_trainer(tmp_path, prompts, critic_init="reward_model")
+    be = trainer.backend
+    r = trainer.rollout(trainer.batch_prompts(0))
+    with torch.no_grad():
+        values = be.critic(r.input_ids, r.attention_mask)
+    at_last = values[torch.arange(len(values)), last_valid_index(r.attention_mask)]
+    torch.testing.assert_close(at_last, r.raw_scores, atol=1e-4, rtol=1e-4)
+    assert all(p.requires_grad for p in be.critic.parameters())  # a full critic, trainable
+    assert not any(p.requires_grad for p in be.reward.parameters())  # the reward model itself stays frozen
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -153,6 +237,10 @@ def test_early_stopping_cuts_the_epochs(tmp_path, prompts):
     (dict(mini_batch_size=4, micro_batch_size=3), "multiple of micro_batch_size"),
     (dict(temperature=0.0), "temperature"),
     (dict(kl_estimator="full"), "kl_estimator"),
+    (dict(top_k=50), "top_k=50, top_p=1.0: PPO needs the log-probs of the distribution it sampled from"),
+    (dict(top_p=0.9), "top_p=0.9"),
+    (dict(early_stopping_check="step"), "early_stopping_check"),
+    (dict(critic_init="sft"), "critic_init"),
 ])
 def test_bad_config_values(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -70,12 +70,16 @@ def test_masked_entries_never_matter(gen):
 def test_ppo_loss_combines_terms(gen):
     old = -torch.rand(2, 5, generator=gen)
     new = old + 0.1 * torch.randn(2, 5, generator=gen)
-    adv, v, ret = (torch.randn(2, 5, generator=gen) for _ in range(3))
+    adv, old_v, ret = (torch.randn(2, 5, generator=gen) for _ in range(3))
+    v = old_v + 0.5 * torch.randn(2, 5, generator=gen)  # far enough from the old values that clipping acts
     ent = torch.rand(2, 5, generator=gen)
     m = torch.ones(2, 5)
-    loss, stats = ppo_loss(new, old, adv, v, v, ret, m, ent, vf_coef=0.5, ent_coef=0.01)
+    loss, stats = ppo_loss(new, old, adv, v, old_v, ret, m, ent, vf_coef=0.5, ent_coef=0.01, cliprange_value=0.2)
     pg, _ = policy_loss(new, old, adv, m)
-    vf, _ = value_loss(v, v, ret, m)
+    vf, vf_stats = value_loss(v, old_v, ret, m, 0.2)
+    assert 0 < vf_stats["clipfrac"] < 1  # the clipped branch wins on some tokens, not all
+    unclipped = 0.5 * masked_mean((v - ret) ** 2, m)
+    assert vf > unclipped  # value clipping made this loss larger: it is a max, not a bound on V
     assert torch.allclose(loss, pg + 0.5 * vf - 0.01 * masked_mean(ent, m))
     assert stats["skipped"].item() == 0
     with pytest.raises(ValueError, match="ent_coef"):

@@ -1,6 +1,7 @@
 """The toy world, the tokenizer, the shipped tiny models and the stage commands."""
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -115,6 +116,20 @@ def test_shipped_sizes():
     assert total <= 25 * 2**20
 
 
+def test_shipped_adapter_names_its_base_relatively(tmp_path):
+    import json
+    import shutil
+
+    from marlhf_edu.zoo import relative_base_path
+
+    recorded = json.loads((REWARD_ADAPTER_DIR / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert not pathlib.Path(recorded).is_absolute()  # no build machine's path in the package
+    assert (REWARD_ADAPTER_DIR / recorded).resolve() == SFT_DIR.resolve()
+    # what `zoo rebuild` writes
+    shutil.copytree(REWARD_ADAPTER_DIR, tmp_path / "adapter")
+    assert relative_base_path(tmp_path / "adapter", tmp_path / "sft") == "../sft"
+
+
 def test_sft_model_samples_like_the_targets(world):
     from marlhf_edu.zoo import evaluate_sft
 
@@ -173,3 +188,6 @@ def test_qlora_is_a_config_switch(tmp_path):
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert (tmp_path / "adapter_model.safetensors").exists()
+    # the stage guards its 4-bit base: trl's no-grad evaluation passes cannot repack it for CPU inference
+    linear4 = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert all(m.support_avx512bf16_for_cpu is False for m in linear4)

@@ -77,7 +77,7 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
-    from marlhf_edu.ppo.multi_adapter import nf4_loading_kwargs
+    from marlhf_edu.quantization import load_nf4
 
     out_dir = pathlib.Path(out_dir)
     model_dir, reward_dir = out_dir / "model", out_dir / "reward"
@@ -92,8 +92,7 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
     LlamaForCausalLM(config).save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
     # the reward adapter is built on a 4-bit copy: its LoRA and head shapes are all that matter
-    reward = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1,
-                                                                **nf4_loading_kwargs("cpu"))
+    reward = load_nf4(AutoModelForSequenceClassification, model_dir, "cpu", num_labels=1)
     lora = LoraConfig(task_type="SEQ_CLS", r=reward_r, lora_alpha=8, target_modules=list(reward_targets or
                                                                                        ["q_proj", "k_proj", "v_proj", "o_proj"]))
     get_peft_model(reward, lora).save_pretrained(str(reward_dir))
@@ -105,7 +104,8 @@ def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", 
                      double_quant: bool = True) -> dict:
     """One MA-PPO step on a `num_layers`-layer model of Llama-2-7B's widths in NF4 on CPU; measured vs planned.
 
-    Returns `{"shape", "settings", "comparison" (see `compare`), "seconds"}`.
+    Returns `{"shape", "settings", "cpu_repacked_layers" (0 while `keep_nf4_trainable` guards the base),
+    "comparison" (see `compare`), "seconds"}`.
     """
     import torch
 
@@ -129,5 +129,8 @@ def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", 
         trainer = PPOTrainer(backend, config, prompts)
         measured = ppo_memory(trainer)
     plan = plan_for(trainer, shape, reward_dir, measured)
-    return {"shape": vars(shape), "settings": dict(vars(plan.settings)),
+    from marlhf_edu.quantization import is_cpu_repacked
+
+    repacked = sum(is_cpu_repacked(m) for m in backend.model.modules())  # 0: the standard NF4 layout was measured
+    return {"shape": vars(shape), "settings": dict(vars(plan.settings)), "cpu_repacked_layers": repacked,
             "comparison": compare(plan, measured), "seconds": round(time.perf_counter() - start, 1)}

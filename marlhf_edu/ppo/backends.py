@@ -70,8 +70,10 @@ class ValueModel(nn.Module):
     """Critic: a transformer backbone and a scalar value head on every position's last hidden state.
 
     The head starts at **zero** (weight and bias), so every value is 0 before the
-    first update: the first advantages are then the plain discounted rewards, and
-    no random head injects noise into them. A test checks it.
+    first update and no random head injects noise into the first advantages (with
+    V = 0 they are the (γλ)-discounted sums of the rewards ahead). A test checks it.
+    `critic_init: reward_model` instead copies the reward model's backbone and
+    score head into it (`reward_model_as_critic`).
     """
 
     def __init__(self, backbone: nn.Module):
@@ -90,6 +92,20 @@ class ValueModel(nn.Module):
 def response_values(values_full: torch.Tensor, n_response: int) -> torch.Tensor:
     """(B, P + R) per-position values → (B, R): V(state before response token t), read at position P + t − 1."""
     return values_full[:, -n_response - 1:-1]
+
+
+def reward_model_as_critic(reward_base, adapter_dir):
+    """`(backbone, score_weight)` of the reward model, its LoRA merged into a trainable copy of its backbone.
+
+    `critic_init: reward_model` starts the critic as the reward model (InstructGPT; MA-RLHF's ppo.py; trl's
+    later PPO): V(s) then begins near the score the episode will get, instead of at 0.
+    """
+    from marlhf_edu.models import load_reward_model
+
+    reward, _ = load_reward_model(reward_base, adapter_dir)
+    merged = reward.merge_and_unload()  # LlamaForSequenceClassification with the adapter folded in
+    backbone = getattr(merged, merged.base_model_prefix)
+    return backbone.requires_grad_(True), merged.score.weight.detach().clone()
 
 
 class PPOBackend:
@@ -209,8 +225,13 @@ class FourModelBackend(PPOBackend):
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
         device = config.resolved_device
         tokenizer = load_tokenizer(sft)
+        reward_base = config.reward_base_path or sft
         actor = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
-        backbone = AutoModel.from_pretrained(str(sft)).to(device)
+        if config.critic_init == "reward_model":
+            backbone, head = reward_model_as_critic(reward_base, adapter)
+        else:
+            backbone, head = AutoModel.from_pretrained(str(sft)), None
+        backbone = backbone.to(device)
         if config.actor_lora_r > 0:  # the critic follows the actor's recipe: a LoRA on its own backbone
             from peft import LoraConfig, get_peft_model
 
@@ -219,8 +240,11 @@ class FourModelBackend(PPOBackend):
             actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", **lora))
             backbone = get_peft_model(backbone, LoraConfig(task_type="FEATURE_EXTRACTION", **lora))
         critic = ValueModel(backbone)
+        if head is not None:
+            with torch.no_grad():
+                critic.value_head.weight.copy_(head)  # the reward model's score head; its bias stays 0
         reference = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
-        reward, reward_tokenizer = load_reward_model(config.reward_base_path or sft, adapter)
+        reward, reward_tokenizer = load_reward_model(reward_base, adapter)
         return cls(actor, critic, reference, reward.to(device), tokenizer, reward_tokenizer)
 
     def models(self):

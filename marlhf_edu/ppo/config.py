@@ -32,6 +32,7 @@ class PPOConfig:
     actor_lora_alpha: int = field(default=16)
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj"])
+    critic_init: str = field(default="zero", metadata={"help": "'zero': the critic is the SFT backbone with a zero head; 'reward_model': the critic starts as the reward model (its backbone, adapter and score head), as InstructGPT and MA-RLHF do"})
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
     double_quant: bool = field(default=True, metadata={"help": "NF4 double quantization of the scales"})
@@ -51,8 +52,8 @@ class PPOConfig:
     # ---- sampling -------------------------------------------------------------------------
     max_new_tokens: int = field(default=32)
     temperature: float = field(default=1.0, metadata={"help": "divides the logits in sampling and in scoring alike"})
-    top_k: int = field(default=0, metadata={"help": "0 = off; anything else makes log-probs differ from the sampler"})
-    top_p: float = field(default=1.0)
+    top_k: int = field(default=0, metadata={"help": "must stay 0 (off) for training: see validate()"})
+    top_p: float = field(default=1.0, metadata={"help": "must stay 1.0 (off) for training: see validate()"})
     # ---- scores ---------------------------------------------------------------------------
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
@@ -66,6 +67,7 @@ class PPOConfig:
     kl_estimator: str = field(default="k1", metadata={"help": "estimator in the per-token penalty: " + ", ".join(TOKEN_KL_KINDS)})
     early_stopping: bool = field(default=False, metadata={"help": "stop the PPO epochs when policykl > 1.5 × early_stopping_target_kl"})
     early_stopping_target_kl: float = field(default=1.0)
+    early_stopping_check: str = field(default="epoch", metadata={"help": "'epoch': after each PPO epoch, on its last minibatch's policykl (trl 0.11); 'minibatch': after every optimizer step"})
     # ---- PPO ------------------------------------------------------------------------------
     gamma: float = field(default=1.0)
     lam: float = field(default=0.95)
@@ -104,6 +106,17 @@ class PPOConfig:
              f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")
         need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         need(self.top_k >= 0 and 0 < self.top_p <= 1, f"need top_k >= 0 and 0 < top_p <= 1, got {self.top_k}, {self.top_p}")
+        # PPO scores every sampled token with log softmax(z / T) over the whole vocabulary; top-k/top-p sample from a
+        # truncated, renormalised distribution instead, so the stored log-probs would not be the sampler's and every
+        # ratio would be off-policy from the first step
+        need(self.top_k == 0 and self.top_p == 1.0,
+             f"top_k={self.top_k}, top_p={self.top_p}: PPO needs the log-probs of the distribution it sampled from, and "
+             "the engine scores tokens under the full softmax(z / T); set top_k: 0 and top_p: 1.0 for training "
+             "(use them only for sampling outside PPO)")
+        need(self.early_stopping_check in ("epoch", "minibatch"),
+             f"early_stopping_check must be 'epoch' or 'minibatch', got {self.early_stopping_check!r}")
+        need(self.critic_init in ("zero", "reward_model"),
+             f"critic_init must be 'zero' or 'reward_model', got {self.critic_init!r}")
         need(self.kl_estimator in TOKEN_KL_KINDS, f"kl_estimator must be one of {TOKEN_KL_KINDS}, got {self.kl_estimator!r}")
         need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")

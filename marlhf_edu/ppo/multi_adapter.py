@@ -7,7 +7,7 @@
 - `reward`  — the frozen reward-model adapter of chapter 07, with its score head;
 - reference — the same base with every adapter disabled.
 
-Two traps of peft handled here:
+Three library traps handled here:
 
 1. Loading a SEQ_CLS adapter into a causal-LM model silently drops its `score`
    weights (the causal LM has no `score` module). The head is read from the
@@ -15,6 +15,10 @@ Two traps of peft handled here:
 2. `set_adapter` changes which parameters require gradients (it marks the active
    adapter trainable and freezes the others). Every switch goes through
    `_use_adapter`, which restores the trainable set afterwards and checks it.
+3. bitsandbytes repacks a 4-bit base for CPU inference on its first no-grad eval
+   forward (AVX512-BF16 CPUs), after which no gradient flows through it: the
+   base is guarded by `keep_nf4_trainable` before anything runs
+   (`marlhf_edu.quantization`).
 
 Taught in chapter 09.
 """
@@ -30,23 +34,12 @@ from torch import nn
 from marlhf_edu.ppo.backends import (PPOBackend, _check_tokenizer, quiet_loading, response_logprobs, response_values,
                                      sample)
 from marlhf_edu.masked import last_valid_index
+from marlhf_edu.quantization import keep_nf4_trainable, nf4_loading_kwargs  # noqa: F401 (public here too)
 from marlhf_edu.scoring import position_ids_from_mask
 
 VALUE_MODES = ("shared", "adapter")
 #: LoRA rank of the policy and value adapters when the config leaves `actor_lora_r` at 0 (full fine-tuning).
 DEFAULT_ADAPTER_RANK = 16
-
-
-def nf4_loading_kwargs(device: str, double_quant: bool = True) -> dict:
-    """`from_pretrained` arguments for an NF4 base on `device`: compute in bf16 on CUDA, fp32 on CPU
-    (this CPU has no fast bf16), the whole model on that one device."""
-    from transformers import BitsAndBytesConfig
-
-    compute = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_use_double_quant=double_quant,
-                                                      bnb_4bit_compute_dtype=compute),
-            "device_map": {"": device}}
 
 
 def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
@@ -67,11 +60,20 @@ def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
     return head.requires_grad_(False)
 
 
+def same_model_path(a, b) -> bool:
+    """Whether two model references name the same model: equal strings, or paths to the same directory."""
+    a, b = str(a), str(b)
+    if a == b:
+        return True
+    pa, pb = pathlib.Path(a), pathlib.Path(b)
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
 class MultiAdapterBackend(PPOBackend):
     """One (optionally quantized) base with `policy`, `reward` and optionally `value` adapters."""
 
     def __init__(self, base, tokenizer, reward_adapter_dir, *, value_mode: str = "shared", lora_r: int = 16,
-                 lora_alpha: int = 16, target_modules=None, seed: int = 0):
+                 lora_alpha: int = 16, target_modules=None, seed: int = 0, critic_init: str = "zero"):
         from peft import LoraConfig, get_peft_model
 
         from marlhf_edu.stages.common import ConfigError
@@ -79,18 +81,24 @@ class MultiAdapterBackend(PPOBackend):
         _check_tokenizer(tokenizer)
         if value_mode not in VALUE_MODES:
             raise ConfigError(f"value_mode must be one of {VALUE_MODES}, got {value_mode!r}")
+        if critic_init == "reward_model" and value_mode != "adapter":
+            raise ConfigError("critic_init: reward_model needs value_mode: adapter (the value adapter starts as a copy "
+                              "of the reward adapter); a shared head reads the policy's features, not the reward's")
         if base.config.vocab_size != len(tokenizer):
             raise ConfigError(f"the base's vocabulary ({base.config.vocab_size}) differs from the tokenizer's ({len(tokenizer)})")
         self.tokenizer, self.value_mode = tokenizer, value_mode
+        keep_nf4_trainable(base)
         base.requires_grad_(False)
         lora = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
                     target_modules=list(target_modules or ["q_proj", "k_proj", "v_proj", "o_proj",
                                                            "gate_proj", "up_proj", "down_proj"]))
         torch.manual_seed(seed)
         self.model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **lora), adapter_name="policy")
-        if value_mode == "adapter":
-            self.model.add_adapter("value", LoraConfig(task_type="CAUSAL_LM", **lora))
         with quiet_loading():
+            if value_mode == "adapter" and critic_init == "reward_model":  # a trainable copy of the reward adapter
+                self.model.load_adapter(str(reward_adapter_dir), adapter_name="value", is_trainable=True)
+            elif value_mode == "adapter":
+                self.model.add_adapter("value", LoraConfig(task_type="CAUSAL_LM", **lora))
             self.model.load_adapter(str(reward_adapter_dir), adapter_name="reward", is_trainable=False)
         hidden = base.config.hidden_size
         self.device = next(base.parameters()).device
@@ -98,6 +106,9 @@ class MultiAdapterBackend(PPOBackend):
         self.value_head = nn.Linear(hidden, 1).to(self.device)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
+        if critic_init == "reward_model":
+            with torch.no_grad():
+                self.value_head.weight.copy_(self.reward_head.weight)
         self.model.set_adapter("policy")
         self._trainable = self._expected_trainable()
         self._restore_trainable()
@@ -109,8 +120,15 @@ class MultiAdapterBackend(PPOBackend):
 
         from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
 
+        from marlhf_edu.stages.common import ConfigError
+
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+        if config.reward_base_path and not same_model_path(config.reward_base_path, sft):
+            raise ConfigError(f"reward_base_path={config.reward_base_path!r} differs from sft_model_path={str(sft)!r}: "
+                              "multi-adapter PPO puts the reward adapter on the policy's own base, so a reward adapter "
+                              "trained on another base would score with weights it never saw. Train the reward model on "
+                              "the SFT model (or use the four-model `ppo` command, which loads the reward base separately)")
         device = config.resolved_device
         kwargs = nf4_loading_kwargs(device, config.double_quant) if config.load_in_4bit else {}
         with quiet_loading():
@@ -118,7 +136,8 @@ class MultiAdapterBackend(PPOBackend):
         if not kwargs:
             base = base.to(device)
         return cls(base, load_tokenizer(sft), adapter, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
-                   lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed)
+                   lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed,
+                   critic_init=config.critic_init)
 
     # ---- the trainable set, guarded ----------------------------------------------------------
 

@@ -11,7 +11,9 @@ One step, top to bottom (`PPOTrainer.step`):
 5. advantages— `gae_advantages`, then `masked_whiten`;
 6. update    — `ppo_epochs` passes over shuffled minibatches, each accumulated over
                micro-batches, `ppo_loss` (with its ratio-threshold skip), gradient
-               clipping, optional early stop when policykl > 1.5 × target;
+               clipping (a minibatch skipped by the ratio threshold takes no optimizer
+               step), optional early stop when policykl > 1.5 × target (checked after
+               each epoch as trl 0.11 does, or after each minibatch);
 7. KL controller update with the batch's mean KL.
 
 Every formula comes from the foundation modules; this file only schedules them.
@@ -190,7 +192,7 @@ class PPOTrainer:
         B = r.input_ids.shape[0]
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         acc, skipped, epochs_run, stop = defaultdict(list), 0, 0, False
-        self.minibatch_stats = []  # one dict per optimizer step of this update (the tests read the first)
+        self.minibatch_stats = []  # one dict per minibatch of this update, skipped or not (the tests read them)
         for _ in range(cfg.ppo_epochs):
             epochs_run += 1
             for mb in torch.randperm(B, generator=self.shuffle).to(r.input_ids.device).split(cfg.mini_batch_size):
@@ -208,25 +210,34 @@ class PPOTrainer:
                     (loss * (len(micro) / len(mb))).backward()
                     for k, v in stats.items():
                         mb_stats[k].append(float(v))
-                if cfg.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                self.optimizer.step()
+                if any(mb_stats["skipped"]):
+                    # a ratio beyond the threshold: no optimizer step at all. A zero loss alone is not enough,
+                    # AdamW's momentum and weight decay would still move the weights.
+                    skipped += 1
+                else:
+                    if cfg.max_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                    self.optimizer.step()
                 self.minibatch_stats.append({k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v))
                                              for k, v in mb_stats.items()})
                 for k, v in mb_stats.items():
                     acc[k].append(max(v) if k == "policy/ratio_max" else sum(v) / len(v))
-                skipped += sum(mb_stats["skipped"])
-                if cfg.early_stopping and acc["policy/policykl"][-1] > 1.5 * cfg.early_stopping_target_kl:
+                if cfg.early_stopping and cfg.early_stopping_check == "minibatch" and self._kl_too_far(acc):
                     stop = True
                     break
-            if stop:
+            # trl 0.11 checks once per epoch, on the policykl of the epoch's last minibatch
+            if stop or (cfg.early_stopping and cfg.early_stopping_check == "epoch" and self._kl_too_far(acc)):
+                stop = True
                 break
         self.optimizer.zero_grad(set_to_none=True)
         out = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in acc.items() if k != "skipped"}
-        out["ppo/skipped_minibatches"] = skipped
+        out["ppo/skipped_minibatches"] = skipped  # minibatches whose optimizer step was skipped
         out["ppo/epochs"] = epochs_run
         out["ppo/early_stopped"] = float(stop)
         return out
+
+    def _kl_too_far(self, acc) -> bool:
+        return acc["policy/policykl"][-1] > 1.5 * self.config.early_stopping_target_kl
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -362,13 +373,20 @@ def read_metrics(path) -> list[dict]:
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
 
+def fork_all_rngs():
+    """`torch.random.fork_rng` over the CPU and every visible CUDA device: `manual_seed` inside it reseeds them
+    all, so all of them must be restored on exit, or evaluation would shift the training run's CUDA samples."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=devices)
+
+
 def sample_responses(backend: PPOBackend, prompts: list[str], max_new_tokens: int = 32, temperature: float = 1.0,
                      batch_size: int = 64, seed: int = 0) -> list[str]:
     """Sampled responses of the backend's current policy, without touching the training RNG stream."""
     tok = backend.tokenizer
     out = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with fork_all_rngs():
+        torch.manual_seed(seed)  # seeds CPU and every CUDA device; fork_all_rngs restores them all
         for start in range(0, len(prompts), batch_size):
             enc = tok(prompts[start:start + batch_size], return_tensors="pt", padding=True, padding_side="left").to(backend.device)
             ids = backend.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,

@@ -75,6 +75,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     from trl import RewardTrainer, get_peft_config
 
     from marlhf_edu.models import load_tokenizer
+    from marlhf_edu.quantization import keep_nf4_trainable
     from marlhf_edu.stages.common import ConfigError, quantization_and_device_map
 
     peft_config = get_peft_config(model_args)
@@ -89,6 +90,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     model = AutoModelForSequenceClassification.from_pretrained(
         model_args.model_name_or_path, num_labels=1, **quantization_and_device_map(model_args))
     model.config.pad_token_id = tokenizer.pad_token_id
+    keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 09)
     trainer = RewardTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config)
     trainer.train()

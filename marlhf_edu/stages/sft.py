@@ -42,6 +42,7 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     from trl import SFTTrainer, get_peft_config
 
     from marlhf_edu.models import TOKENIZER_DIR, load_tokenizer, tiny_llama
+    from marlhf_edu.quantization import keep_nf4_trainable
     from marlhf_edu.stages.common import quantization_and_device_map, torch_dtype
 
     dataset = load_sft_data(script_args) if dataset is None else dataset
@@ -59,6 +60,7 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     else:
         dtype = torch_dtype(model_args)
         model = AutoModelForCausalLM.from_pretrained(name, **load_kwargs, **({"dtype": dtype} if dtype else {}))
+    keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 09)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=get_peft_config(model_args))
     trainer.train()

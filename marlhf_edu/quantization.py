@@ -1,0 +1,100 @@
+"""4-bit NF4 bases that load the same way everywhere and stay trainable on every CPU.
+
+One trap lives here. bitsandbytes (0.49 and later) has a CPU inference fast
+path. On a CPU with AVX512-BF16, the first time a `Linear4bit` runs in eval
+mode on an input that does not require grad (every rollout, every reward or
+reference pass), it **repacks its weight in place** into a CPU-only layout:
+
+- `quant_state.packing_format_for_cpu = True`;
+- the absmax scales are cast to bf16, and double quantization is undone;
+- from then on `matmul_4bit` calls `gemv_4bit`, which has no backward.
+
+Nothing raises. A LoRA adapter on top of such a layer still gets a gradient
+from its own branch, but every gradient that has to flow *through* the frozen
+4-bit weight to reach earlier layers is cut. Measured on an AMD EPYC with
+AVX512-BF16 (torch 2.13.0+cpu, bitsandbytes 0.50.2, the tiny MA-PPO backend):
+after one no-grad rollout the norm of the policy gradient of
+`layers.0.mlp.gate_proj.lora_B` was 0.0 instead of 28.06, and
+`layers.0.mlp.down_proj.lora_B` 10.15 instead of 20.23. MA-PPO keeps its
+models in eval mode (no dropout, so re-computed log-probs equal the rollout's),
+which is exactly when the repacking fires. The repacking also changes the
+numbers a 4-bit model computes (bf16 scales and kernels) and the bytes it holds.
+
+`keep_nf4_trainable` switches the fast path off on every `Linear4bit` of a
+model, before its first forward. Every 4-bit model the package builds goes
+through it: `load_nf4`, the multi-adapter backend, the SFT and reward stages,
+`load_sft_model`/`load_reward_model`. On CPUs without AVX512-BF16 (and on GPUs)
+it changes nothing. The same family of trap as peft's `set_adapter` (chapter
+09): a library fast path that changes what trains, silently.
+
+Taught in chapter 09.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+#: bitsandbytes logs this notice on import on AVX512-BF16 CPUs when the optional `kernels` package (which
+#: would download a kernel from the hub) is missing. The book never uses that kernel, see above.
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def quiet_bitsandbytes_cpu_notice() -> None:
+    """Silence bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" log line.
+
+    It is printed on import on AVX512-BF16 CPUs, concerns only the repacked inference path that
+    `keep_nf4_trainable` turns off, and would otherwise land in stored notebook outputs on some CPUs
+    and not others. Only that one logger is raised to ERROR; every other bitsandbytes message stays.
+    """
+    logging.getLogger(_BNB_CPU_LOGGER).setLevel(logging.ERROR)
+
+
+def nf4_loading_kwargs(device: str, double_quant: bool = True) -> dict:
+    """`from_pretrained` arguments for an NF4 base on `device`: compute in bf16 on CUDA, fp32 on CPU
+    (most CPUs have no fast bf16), the whole model on that one device."""
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_use_double_quant=double_quant,
+                                                      bnb_4bit_compute_dtype=compute),
+            "device_map": {"": device}}
+
+
+def is_cpu_repacked(module) -> bool:
+    """True when a `Linear4bit`'s weight has been converted to bitsandbytes' CPU inference layout."""
+    state = getattr(getattr(module, "weight", None), "quant_state", None)
+    return bool(getattr(state, "packing_format_for_cpu", False))
+
+
+def keep_nf4_trainable(model: torch.nn.Module) -> int:
+    """Turn off bitsandbytes' CPU inference repacking on every `Linear4bit` of `model`; return how many.
+
+    Call it right after loading, before the first forward. A model with no 4-bit layers is left alone
+    (returns 0). A layer that was already repacked cannot be restored exactly (its scales were rounded to
+    bf16), so it is an error: reload the model and guard it first.
+    """
+    if "bitsandbytes" not in sys.modules:  # nothing 4-bit can exist before bitsandbytes is imported
+        return 0
+    import bitsandbytes as bnb
+
+    guarded = 0
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            if is_cpu_repacked(module):
+                raise RuntimeError(
+                    f"{name}: bitsandbytes already repacked this 4-bit weight for CPU inference (bf16 scales, no "
+                    "backward). Reload the model and call keep_nf4_trainable before its first forward.")
+            module.support_avx512bf16_for_cpu = False
+            guarded += 1
+    return guarded
+
+
+def load_nf4(model_class, path, device: str = "cpu", double_quant: bool = True, **kwargs):
+    """`model_class.from_pretrained(path)` as an NF4 base on `device`, guarded by `keep_nf4_trainable`."""
+    model = model_class.from_pretrained(str(path), **nf4_loading_kwargs(device, double_quant), **kwargs)
+    keep_nf4_trainable(model)
+    return model

@@ -1,0 +1,133 @@
+"""4-bit bases stay trainable on every CPU: bitsandbytes' CPU inference repacking is kept off.
+
+On an AVX512-BF16 CPU, an unguarded `Linear4bit` repacks its weight on its first no-grad eval forward and
+then has no backward (see `marlhf_edu.quantization`). These tests compare LoRA gradients after such a forward
+with the gradients of a model that never ran one; without the guard they differ on such CPUs (the first
+test below checks that the CPU running them can tell).
+"""
+
+import pytest
+import torch
+
+from marlhf_edu.models import SFT_DIR
+from marlhf_edu.quantization import is_cpu_repacked, keep_nf4_trainable, load_nf4
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def cpu_repacks() -> bool:
+    import bitsandbytes.functional as F
+
+    return bool(F.has_avx512bf16())
+
+
+def nf4_lora_model(guard: bool = True):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from marlhf_edu.quantization import nf4_loading_kwargs
+
+    base = (load_nf4(AutoModelForCausalLM, SFT_DIR) if guard
+            else AutoModelForCausalLM.from_pretrained(str(SFT_DIR), **nf4_loading_kwargs("cpu")))
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0,
+                                            target_modules=ALL_LINEAR))
+    with torch.no_grad():  # B = 0 at start would hide gradients that flow through the LoRA branches
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model.eval()  # the engine's models stay in eval mode (no dropout): when the repacking fires
+
+
+def lora_grads(model, eval_forward_first: bool) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46], [1, 50, 51, 52, 53, 54, 55, 56]])
+    if eval_forward_first:
+        with torch.no_grad():
+            model(input_ids=ids)  # a rollout, reward or reference pass
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits.float()
+    torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_the_guard_switches_off_repacking_on_every_4bit_layer():
+    from transformers import AutoModelForCausalLM
+
+    model = load_nf4(AutoModelForCausalLM, SFT_DIR)
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 28 and all(m.support_avx512bf16_for_cpu is False for m in layers)
+    with torch.no_grad():
+        model.eval()(input_ids=torch.tensor([[1, 40, 41]]))
+    assert not any(is_cpu_repacked(m) for m in layers)
+    assert keep_nf4_trainable(torch.nn.Linear(2, 2)) == 0  # nothing 4-bit: nothing to do
+
+
+@pytest.mark.skipif("not cpu_repacks()", reason="this CPU has no AVX512-BF16: bitsandbytes never repacks here")
+def test_unguarded_bitsandbytes_repacks_and_cuts_gradients_on_this_cpu():
+    """Pins the library behaviour the guard exists for; if bitsandbytes drops the fast path, this tells us."""
+    model = nf4_lora_model(guard=False)
+    fresh = lora_grads(nf4_lora_model(guard=False), eval_forward_first=False)
+    after = lora_grads(model, eval_forward_first=True)
+    assert any(is_cpu_repacked(m) for m in model.modules())
+    assert any(not torch.allclose(after[n], fresh[n], rtol=1e-3, atol=1e-6) for n in fresh)
+
+
+def test_lora_gradients_after_an_eval_forward_equal_a_fresh_models():
+    fresh = lora_grads(nf4_lora_model(), eval_forward_first=False)
+    after = lora_grads(nf4_lora_model(), eval_forward_first=True)
+    assert fresh.keys() == after.keys() and len(fresh) == 4 * 7 * 2  # A and B of 7 projections in 4 layers
+    for name in fresh:
+        assert fresh[name].abs().sum() > 0, name
+        torch.testing.assert_close(after[name], fresh[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_multi_adapter_policy_gradients_survive_a_rollout(tmp_path):
+    """The engine path: a rollout (no-grad, eval) before the update must not change the update's gradients."""
+    from marlhf_edu.ppo import PPOConfig, PPOTrainer
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+    from marlhf_edu.toyworld import ToyWorld
+
+    config = PPOConfig(load_in_4bit=True, value_mode="adapter", batch_size=4, mini_batch_size=4, micro_batch_size=4,
+                       forward_batch_size=4, max_new_tokens=8, device="cpu", eval_repeats=0, output_dir=str(tmp_path))
+    prompts = [p.prompt for p in ToyWorld().train_prompts]
+
+    def grads(after_rollout: bool, rollout):
+        torch.manual_seed(0)
+        backend = MultiAdapterBackend.from_config(config)
+        with torch.no_grad():  # make the policy LoRA non-trivial, so gradients flow through it and the base
+            for name, p in backend.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        trainer = PPOTrainer(backend, config, prompts)
+        if after_rollout:
+            rollout = trainer.rollout(trainer.batch_prompts(0))
+        backend.model.zero_grad(set_to_none=True)
+        logprobs, values, _ = backend.policy_forward(rollout.input_ids, rollout.attention_mask, rollout.n_response, 1.0)
+        (logprobs * rollout.response_mask).sum().add(values.sum()).backward()
+        return rollout, {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+
+    rollout, after = grads(True, None)
+    _, fresh = grads(False, rollout)
+    assert fresh.keys() == after.keys()
+    gate = next(n for n in fresh if "layers.0.mlp.gate_proj.lora_B.policy" in n)
+    assert fresh[gate].abs().sum() > 0
+    for name in fresh:
+        torch.testing.assert_close(after[name], fresh[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_an_already_repacked_layer_is_an_error_not_a_silent_restore():
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from marlhf_edu.quantization import nf4_loading_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(str(SFT_DIR), **nf4_loading_kwargs("cpu"))
+    layer = model.model.layers[1].mlp.up_proj
+    assert isinstance(layer, bnb.nn.Linear4bit)
+    layer.weight.data, layer.weight.quant_state = F._convert_weight_packed_for_cpu(layer.weight.data,
+                                                                                   layer.weight.quant_state)
+    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.up_proj: bitsandbytes already repacked"):
+        keep_nf4_trainable(model)
