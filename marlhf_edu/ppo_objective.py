@@ -19,12 +19,35 @@ def _zero_masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+LOSS_AGGREGATIONS = ("token-mean", "sequence-mean")
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, how: str = "token-mean") -> torch.Tensor:
+    r"""Reduce a (B, T) per-token loss to a scalar.
+
+    .. math:: \text{token-mean} = \frac{\sum_{b,t} m_{bt}\ell_{bt}}{\sum_{b,t} m_{bt}}, \qquad
+              \text{sequence-mean} = \frac1B \sum_b \frac{\sum_t m_{bt}\ell_{bt}}{\sum_t m_{bt}}
+
+    token-mean (trl 0.11, this engine) weighs every token alike, so a long response weighs more in total.
+    sequence-mean weighs every response alike, so each token of a response of length L weighs 1/(B·L):
+    a long response's tokens count less, a length bias (chapter 05 measures it).
+
+    Taught in chapter 05.
+    """
+    if how == "token-mean":
+        return masked_mean(per_token, mask)
+    if how == "sequence-mean":
+        return masked_mean(per_token, mask, dim=-1).mean()
+    raise ValueError(f"aggregate_loss: `how` must be one of {LOSS_AGGREGATIONS}, got {how!r}")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float = 0.2,
+    loss_aggregation: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""PPO's clipped surrogate, as a loss to minimise.
 
@@ -32,7 +55,8 @@ def policy_loss(
               L = \operatorname{mean}_m \max\big(-A_t\rho_t,\; -A_t\operatorname{clip}(\rho_t, 1-\epsilon, 1+\epsilon)\big)
 
     All inputs (B, T). The log-ratio is clamped to ±20 before `exp` so the loss
-    stays finite. Returns `(loss, stats)`; stats (0-dim, detached):
+    stays finite. The mean over tokens is `loss_aggregation` (`aggregate_loss`).
+    Returns `(loss, stats)`; stats (0-dim, detached):
     `clipfrac` — share of tokens where the clipped term is the larger (there the
     gradient is exactly 0); `approxkl` — ½·mean_m (log π − log π_old)²;
     `policykl` — mean_m (log π_old − log π); `ratio_mean`, `ratio_max`.
@@ -52,7 +76,7 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), m)
+    loss = aggregate_loss(torch.maximum(unclipped, clipped), m, loss_aggregation)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), m),
@@ -114,6 +138,7 @@ def ppo_loss(
     vf_coef: float = 0.1,
     ent_coef: float = 0.0,
     ratio_threshold: float = 10.0,
+    loss_aggregation: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     r"""Total PPO loss for one minibatch.
 
@@ -132,7 +157,7 @@ def ppo_loss(
 
     Taught in chapter 05.
     """
-    pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, advantages, mask, cliprange)
+    pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, loss_aggregation)
     vf_loss, vf_stats = value_loss(values, old_values, returns, mask, cliprange_value)
     m = as_bool_mask(mask, logprobs, "ppo_loss")
     if entropy is None:

@@ -53,6 +53,27 @@ def test_ma_ppo_plans_at_most_a_third_of_four_model_at_7b():
     assert plans["four-model"].parts["weights"] == 4 * plans["MA-PPO shared"].parts["weights"] - 2 * lm_head
 
 
+def test_lora_ppo_baseline_shares_the_policy_base_with_the_reference():
+    """trl 0.11 / MA-RLHF LoRA PPO: two bases (policy = reference, reward); MA-PPO: one."""
+    from marlhf_edu.memory import plan_lora_ppo
+
+    s = MemorySettings(weight_dtype="bfloat16", load_in_4bit=True, double_quant=True, policy_lora_r=64,
+                       value_lora_r=64, reward_lora_r=32, reward_targets=QKVO)
+    plans = plan_both(LLAMA_2_7B, s, lora_baseline=True)
+    assert list(plans) == ["four-model", "LoRA PPO", "MA-PPO shared", "MA-PPO adapter"]
+    lora, shared = plans["LoRA PPO"], plans["MA-PPO shared"]
+    lm_head = 32000 * 4096 * 2
+    assert lora.parts["weights"] == 2 * shared.parts["weights"] - lm_head  # the reward backbone has no LM head
+    # the same trainable set as MA-PPO with a shared head: policy LoRA + value head
+    assert lora.trainable_params == shared.trainable_params
+    assert lora.parts["gradients"] == shared.parts["gradients"] and lora.parts["optimizer"] == shared.parts["optimizer"]
+    # the reward model keeps peft's second copy of the score head as a separate model: one h-vector more
+    assert lora.parts["adapters"] == shared.parts["adapters"] + 2 * 4096 * 2 - 4096 * 4
+    assert shared.model_state < lora.model_state < plans["four-model"].model_state
+    with pytest.raises(ConfigError, match="policy rank must be > 0"):
+        plan_lora_ppo(LLAMA_2_7B, MemorySettings(policy_lora_r=0))
+
+
 def test_planner_rejects_what_cannot_train():
     with pytest.raises(ConfigError, match="4-bit model cannot be trained in full"):
         plan_four_model(LLAMA_2_7B, MemorySettings(load_in_4bit=True, policy_lora_r=0))
@@ -119,8 +140,12 @@ def test_memory_command_prints_the_side_by_side_table(capsys):
     assert main(["memory", "--config", "configs/memory_llama2_7b.yaml"]) == 0
     out = capsys.readouterr().out
     assert "llama-2-7b: 6,738,415,616 parameters" in out and "NF4 + double quant" in out
+    header = next(line for line in out.splitlines() if "four-model" in line and "MA-PPO shared" in line).split()
+    assert header == ["four-model", "LoRA", "PPO", "MA-PPO", "shared", "MA-PPO", "adapter"]
     ratios = next(line for line in out.splitlines() if line.startswith("÷ four-model")).split()[2:]
-    assert float(ratios[0]) == 1.0 and float(ratios[1]) <= 1 / 3
+    assert float(ratios[0]) == 1.0 and float(ratios[2]) <= 1 / 3
+    fair = next(line for line in out.splitlines() if line.startswith("÷ LoRA PPO")).split()[3:]
+    assert float(fair[1]) == 1.0 and float(fair[2]) < 0.7 and float(fair[3]) < 1.0
     assert main(["memory", "--config", "configs/tiny_ma_ppo.yaml", "--model_shap", "x"]) == 2
     assert "did you mean 'model_shape'" in capsys.readouterr().err
 

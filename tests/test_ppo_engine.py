@@ -335,3 +335,6 @@ def test_training_curves_plot(tmp_path, prompts):
     drawn = [ax for ax in fig.axes if ax.lines]
     assert len(drawn) == len(PANELS)
     assert len(fig.axes[0].lines) == 2  # both runs on the score panel
+    clip = next(ax for ax in fig.axes if ax.get_title() == "clipfrac")
+    labels = clip.get_legend_handles_labels()[1]  # policy/clipfrac and value/clipfrac must not share a label
+    assert sorted(labels) == ["a policy", "a value", "b policy", "b value"]

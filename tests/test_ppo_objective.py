@@ -67,6 +67,21 @@ def test_masked_entries_never_matter(gen):
     assert torch.equal(a[0], b[0])
 
 
+def test_token_mean_and_sequence_mean_weigh_tokens_differently():
+    from marlhf_edu.ppo_objective import aggregate_loss
+
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    for how, short_token, long_token in (("token-mean", 1 / 10, 1 / 10), ("sequence-mean", 1 / 4, 1 / 16)):
+        per_token = torch.ones(2, 8, requires_grad=True)
+        aggregate_loss(per_token, mask, how).backward()
+        assert per_token.grad[0, 0].item() == pytest.approx(short_token) and per_token.grad[1, 0].item() == pytest.approx(long_token)
+        assert (per_token.grad[~mask] == 0).all()
+    with pytest.raises(ValueError, match="how"):
+        aggregate_loss(torch.ones(2, 8), mask, "sum")
+    new, old, adv = torch.zeros(2, 8), torch.zeros(2, 8), torch.randn(2, 8)
+    assert not torch.allclose(policy_loss(new, old, adv, mask)[0], policy_loss(new, old, adv, mask, 0.2, "sequence-mean")[0])
+
+
 def test_ppo_loss_combines_terms(gen):
     old = -torch.rand(2, 5, generator=gen)
     new = old + 0.1 * torch.randn(2, 5, generator=gen)

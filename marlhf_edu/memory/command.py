@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None):
     config, args = parse_stage_args((PPOConfig, MemoryArguments), argv)
     config.validate()
     shape, s = settings_and_shape(config, args)
-    plans = plan_both(shape, s)
+    plans = plan_both(shape, s, lora_baseline=True)
     quant = ("NF4" + (" + double quant" if s.double_quant else "")) if s.load_in_4bit else s.weight_dtype
     print(f"model: {shape.name}: {shape.n_params:,} parameters, {shape.num_layers} layers, hidden {shape.hidden_size}, "
           f"vocabulary {shape.vocab_size}")
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None):
     print(f"recipe: base {quant} (other weights {s.weight_dtype}); policy and value: {policy}; reward: LoRA "
           f"r={s.reward_lora_r} on {modules(s.reward_targets)}; {s.optimizer}; "
           f"{s.forward_batch_size} rows × ({s.prompt_length} + {s.response_length}) tokens per forward")
-    print(f"four-model: each role on its own copy of the base, same recipe; the config's MA-PPO value_mode is "
-          f"{config.value_mode!r}\n")
+    print("four-model: each role on its own copy of the base, same recipe. LoRA PPO (trl 0.11 with peft, MA-RLHF's "
+          "LoRA PPO): one policy base with LoRA and a value head, the reference = that base with the adapter disabled, "
+          f"the reward model on a second base. The config's MA-PPO value_mode is {config.value_mode!r}\n")
     print(memory_table(plans))
     return plans

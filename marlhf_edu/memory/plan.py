@@ -22,7 +22,9 @@ quantized; they keep `weight_dtype`. Per block of 64 weights that is
 
 The four-model plan puts each role on its own copy of the base under the same
 recipe (same weight format; the critic trains a LoRA when the actor does), so
-the two columns differ only in architecture. `rank 0` means "train every weight"
+the two columns differ only in architecture. `plan_lora_ppo` is the fairer
+baseline: LoRA PPO as trl 0.11 and MA-RLHF run it, whose reference is already
+the policy's base with the adapter disabled. `rank 0` means "train every weight"
 (four-model only). Taught in chapter 09; checked against `state_bytes_by_kind`
 within 10 % on the tiny models and per layer at Llama-2-7B width.
 """
@@ -329,6 +331,37 @@ def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n)
 
 
+def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
+    """LoRA PPO as trl 0.11 with a peft model, and MA-RLHF's own LoRA PPO, run it: one policy base carrying the
+    trainable `policy` LoRA and a value head on its last hidden state, the reference = that base with the
+    adapter disabled, and the reward model as a second model (its own copy of the base, LoRA and score head).
+
+    The fair baseline for MA-PPO: it already shares the policy's base with the reference; MA-PPO's one
+    further saving is the reward model's base.
+    """
+    from marlhf_edu.stages.common import ConfigError
+
+    s.validate()
+    if s.policy_lora_r <= 0:
+        raise ConfigError("LoRA PPO trains a LoRA adapter: the policy rank must be > 0")
+    wb, ab, h = DTYPE_BYTES[s.weight_dtype], DTYPE_BYTES[s.adapter_dtype], shape.hidden_size
+    full_lm, backbone = base_weight_bytes(shape, s), base_weight_bytes(shape, s, lm_head=False)
+    layer = layer_weight_bytes(shape, s)
+    policy = lora_params(shape, s.policy_lora_r, s.policy_targets)
+    reward = lora_params(shape, s.reward_lora_r, s.reward_targets)
+    value_head = (h + 1) * 4                      # nn.Linear(h, 1) in fp32, on the policy's hidden state
+    reward_heads = 2 * h * wb                     # the score head and peft's trainable copy (modules_to_save)
+    per_model = {"policy base (and reference)": full_lm + shape.num_layers * policy * ab + value_head,
+                 "reward": backbone + shape.num_layers * reward * ab + reward_heads}
+    parts = {"weights": full_lm + backbone,
+             "adapters": shape.num_layers * (policy + reward) * ab + value_head + reward_heads}
+    per_layer = {"weights": 2 * layer, "adapters": (policy + reward) * ab}
+    _trainable(parts, per_layer, shape.num_layers * policy * ab + value_head, policy * ab,
+               shape.num_layers * policy + h + 1, policy, s)
+    parts.update(activation_bytes(shape, s))
+    return MemoryPlan("LoRA PPO", shape, s, parts, per_model, per_layer, shape.num_layers * policy + h + 1)
+
+
 def multi_adapter_settings(s: MemorySettings) -> MemorySettings:
     """`s` as `ma-ppo` builds it: rank 0 (full fine-tuning) becomes the default adapter rank."""
     from marlhf_edu.ppo.multi_adapter import DEFAULT_ADAPTER_RANK
@@ -337,13 +370,17 @@ def multi_adapter_settings(s: MemorySettings) -> MemorySettings:
                    value_lora_r=s.value_lora_r or DEFAULT_ADAPTER_RANK)
 
 
-def plan_both(shape: ModelShape, s: MemorySettings) -> dict[str, MemoryPlan]:
+def plan_both(shape: ModelShape, s: MemorySettings, lora_baseline: bool = False) -> dict[str, MemoryPlan]:
     """Four-model PPO and MA-PPO in both value modes under one recipe. With rank 0 (full fine-tuning,
-    which MA-PPO cannot do) MA-PPO is planned with the rank `ma-ppo` builds then."""
+    which MA-PPO cannot do) MA-PPO is planned with the rank `ma-ppo` builds then. `lora_baseline` adds
+    `plan_lora_ppo` ("LoRA PPO", reference = disabled adapter) as the second column."""
     ma = multi_adapter_settings(s)
-    return {"four-model": plan_four_model(shape, s),
-            "MA-PPO shared": plan_multi_adapter(shape, replace(ma, value_mode="shared")),
-            "MA-PPO adapter": plan_multi_adapter(shape, replace(ma, value_mode="adapter"))}
+    plans = {"four-model": plan_four_model(shape, s)}
+    if lora_baseline:
+        plans["LoRA PPO"] = plan_lora_ppo(shape, ma)
+    plans["MA-PPO shared"] = plan_multi_adapter(shape, replace(ma, value_mode="shared"))
+    plans["MA-PPO adapter"] = plan_multi_adapter(shape, replace(ma, value_mode="adapter"))
+    return plans
 
 
 def _fmt(nbytes: float) -> str:
@@ -363,8 +400,9 @@ def memory_table(plans: dict[str, MemoryPlan]) -> str:
         rows.append(f"{part:22s}" + "".join(f"{_fmt(p.parts[part]):>{width}s}" for p in plans.values()))
         if part == "optimizer":
             rows.append(f"{'= model state':22s}" + "".join(f"{_fmt(p.model_state):>{width}s}" for p in plans.values()))
-    first = next(iter(plans.values())).model_state
-    rows.append(f"{'÷ ' + labels[0]:22s}" + "".join(f"{p.model_state / first:>{width}.3f}" for p in plans.values()))
+    for baseline in [label for label in labels if label in ("four-model", "LoRA PPO")] or labels[:1]:
+        first = plans[baseline].model_state
+        rows.append(f"{'÷ ' + baseline:22s}" + "".join(f"{p.model_state / first:>{width}.3f}" for p in plans.values()))
     rows.append(f"{'per layer (state)':22s}" + "".join(
         f"{_fmt(sum(p.per_layer[k] for k in STATE_PARTS)):>{width}s}" for p in plans.values()))
     rows.append(f"{'trainable params':22s}" + "".join(f"{p.trainable_params:>{width},d}" for p in plans.values()))

@@ -75,6 +75,7 @@ class PPOConfig:
     cliprange_value: float = field(default=0.2)
     vf_coef: float = field(default=0.1)
     entropy_coef: float = field(default=0.0)
+    loss_aggregation: str = field(default="token-mean", metadata={"help": "policy loss over tokens: 'token-mean' (trl 0.11) or 'sequence-mean' (see chapter 05's length bias)"})
     ratio_threshold: float = field(default=10.0, metadata={"help": "skip a minibatch whose mean ratio exceeds this"})
     whiten_advantages: bool = field(default=True)
     learning_rate: float = field(default=1e-5, metadata={"help": "actor learning rate (AdamW)"})
@@ -115,6 +116,8 @@ class PPOConfig:
              "(use them only for sampling outside PPO)")
         need(self.early_stopping_check in ("epoch", "minibatch"),
              f"early_stopping_check must be 'epoch' or 'minibatch', got {self.early_stopping_check!r}")
+        need(self.loss_aggregation in ("token-mean", "sequence-mean"),
+             f"loss_aggregation must be 'token-mean' or 'sequence-mean', got {self.loss_aggregation!r}")
         need(self.critic_init in ("zero", "reward_model"),
              f"critic_init must be 'zero' or 'reward_model', got {self.critic_init!r}")
         need(self.kl_estimator in TOKEN_KL_KINDS, f"kl_estimator must be one of {TOKEN_KL_KINDS}, got {self.kl_estimator!r}")

@@ -20,6 +20,15 @@ PANELS = (
 )
 
 
+def _key_label(key: str, keys) -> str:
+    """How a curve is told apart from the others in its panel: 'k1'/'k3' for kl/k1, kl/k3, but 'policy'/'value'
+    for policy/clipfrac, value/clipfrac (their last parts are the same)."""
+    if len(keys) == 1:
+        return ""
+    last = [k.split("/")[-1] for k in keys]
+    return key.split("/")[0] if len(set(last)) < len(last) else key.split("/")[-1]
+
+
 def plot_training_curves(runs, panels=PANELS, ncols: int = 5, width: float = 2.6, height: float = 2.1):
     """Draw `panels` for one or several runs; returns the matplotlib figure.
 
@@ -41,7 +50,7 @@ def plot_training_curves(runs, panels=PANELS, ncols: int = 5, width: float = 2.6
             for j, key in enumerate(keys):
                 if not records or key not in records[0]:
                     continue
-                name = " ".join(x for x in (label, key.split("/")[-1] if len(keys) > 1 else "") if x)
+                name = " ".join(x for x in (label, _key_label(key, keys)) if x)
                 ys = [r[key] for r in records]
                 ax.plot(steps, ys, color=f"C{i}", ls=("-", "--", ":")[j % 3], lw=1.4, label=name or None)
                 if key == "score/mean" and "score/std" in records[0]:

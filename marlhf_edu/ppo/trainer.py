@@ -206,7 +206,7 @@ class PPOTrainer:
                                            None if entropy is None else entropy.float(),
                                            cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value,
                                            vf_coef=cfg.vf_coef, ent_coef=cfg.entropy_coef,
-                                           ratio_threshold=cfg.ratio_threshold)
+                                           ratio_threshold=cfg.ratio_threshold, loss_aggregation=cfg.loss_aggregation)
                     (loss * (len(micro) / len(mb))).backward()
                     for k, v in stats.items():
                         mb_stats[k].append(float(v))
