@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM=false
 export PYTHONWARNINGS=ignore
 export MPLBACKEND=module://matplotlib_inline.backend_inline
 
-.PHONY: install test book notebooks lab lock clean
+.PHONY: install test test-portable book notebooks lab lock clean
 
 install: $(STAMP)
 
@@ -29,6 +29,12 @@ $(STAMP): pyproject.toml requirements.lock
 
 test: $(STAMP)
 	$(PY) -m pytest tests notebooks $(NBVAL) -q
+
+# Stored outputs must not depend on the CPU: re-run the notebooks under torch's other CPU kernels
+# (no vectorisation, AVX2). Run it before committing a notebook change; CI runs `make test`.
+test-portable: $(STAMP)
+	for cap in default avx2; do echo "ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest notebooks $(NBVAL) -q || exit 1; done
 
 book: $(STAMP)
 	$(PY) tools/book.py build
