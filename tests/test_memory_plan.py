@@ -16,7 +16,7 @@ import torch
 from marlhf_edu.memory import (LLAMA_2_7B, MemorySettings, ModelShape, plan_both, plan_four_model, plan_multi_adapter,
                                ppo_memory, state_bytes_by_kind, storage_bytes)
 from marlhf_edu.memory.check import compare, plan_for, real_width_check
-from marlhf_edu.memory.plan import base_weight_bytes, lora_params
+from marlhf_edu.memory.plan import ALL_LINEAR, base_weight_bytes, lora_params
 from marlhf_edu.models import REWARD_ADAPTER_DIR
 from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
@@ -86,6 +86,42 @@ def test_planner_rejects_what_cannot_train():
     assert ModelShape.resolve("zoo").n_params == 1_967_808
 
 
+def test_saved_tensor_bytes_counts_what_autograd_keeps_and_not_the_weights():
+    from marlhf_edu.memory.measure import saved_tensor_bytes
+
+    lin = torch.nn.Linear(4, 3)
+    x = torch.ones(2, 4)
+    # a trainable linear keeps its input (for the weight's gradient); tanh keeps its output; the weights are state
+    _, nbytes = saved_tensor_bytes(lambda: torch.tanh(lin(x)), lin)
+    assert nbytes == 2 * 4 * 4 + 2 * 3 * 4
+    # frozen, with an input that needs a gradient: only the weight is needed, and it is not an activation
+    lin.requires_grad_(False)
+    _, nbytes = saved_tensor_bytes(lambda: torch.tanh(lin(x.requires_grad_(True))), lin)
+    assert nbytes == 2 * 3 * 4
+    # without the module passed, its weight counts as a saved tensor
+    _, nbytes = saved_tensor_bytes(lambda: lin(x))
+    assert nbytes == 3 * 4 * 4
+
+
+def test_activation_plan_with_checkpointing_and_the_peak():
+    from marlhf_edu.memory.plan import forward_activation_bytes, layer_activation_values
+
+    s = MemorySettings(weight_dtype="bfloat16", load_in_4bit=True, policy_lora_r=64, micro_batch_size=2,
+                       prompt_length=64, response_length=256)
+    full = forward_activation_bytes(LLAMA_2_7B, s, 64, ALL_LINEAR, lm_logits=False, value_head=False)
+    ckpt = forward_activation_bytes(LLAMA_2_7B, replace(s, gradient_checkpointing=True), 64, ALL_LINEAR,
+                                    lm_logits=False, value_head=False)
+    tokens, h = 2 * 320, 4096
+    layer = layer_activation_values(LLAMA_2_7B, 64, ALL_LINEAR) + 320  # + the padding mask
+    assert layer == 8 * h + 4 * 11008 + 7 * 64 + 32 + 2 + 320
+    assert full - ckpt == tokens * 2 * (31 * layer - 32 * h)  # 32 layers' activations → 32 inputs + one layer
+    plan = plan_multi_adapter(LLAMA_2_7B, replace(s, value_mode="shared"))
+    assert plan.activations_checkpointed < plan.parts["activations"]
+    sampling = plan.parts["kv_cache"] + plan.parts["logits"]
+    update = plan.parts["activations"] + 2 * 256 * 32000 * 4
+    assert plan.peak == plan.model_state + max(sampling, update)
+
+
 def test_storages_are_counted_once():
     w = torch.zeros(10, 10)
     assert storage_bytes([w, w[:5], w.view(100)]) == 400
@@ -120,8 +156,10 @@ def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backe
     assert all(p.grad is None for p in trainer.optimizer.param_groups[0]["params"])  # freed again
     assert not any(is_cpu_repacked(m) for model in trainer.backend.models().values() for m in model.modules())
     rows = compare(plan_for(trainer, ModelShape.resolve("zoo"), REWARD_ADAPTER_DIR, measured), measured)
+    assert rows["activations"]["measured"] > 0  # what autograd kept for one micro-batch of the update
     for part, row in rows.items():
-        assert row["ratio"] == pytest.approx(1.0, abs=0.02), (part, row)  # the issue asks ≤ 10 %; it is exact today
+        # the issue asked ≤ 10 %; model state is exact, activations within 0.4 % (the loss's small tensors)
+        assert row["ratio"] == pytest.approx(1.0, abs=0.02 if part != "activations" else 0.005), (part, row)
 
 
 def test_planner_matches_one_ma_ppo_step_at_llama_2_7b_width(tmp_path):

@@ -203,6 +203,31 @@ def cuda_peak_bytes(fn, *args, device=None, **kwargs):
     return result, torch.cuda.max_memory_allocated(device) - before
 
 
+def saved_tensor_bytes(fn, *modules):
+    """Run `fn()` and return `(result, bytes)`: the distinct storages autograd saves for the backward pass
+    during the call, not counting the parameters, buffers and 4-bit constants of `modules` (they are model
+    state, already counted). These are the activations a backward needs: exact, and the same on every CPU
+    and GPU, unlike a peak of the allocator or of the process.
+    """
+    import torch
+
+    seen = set()
+    for module in modules:
+        _count(_module_tensors(module), seen)
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = (storage.device.type, storage.data_ptr())
+        if key not in seen and key not in saved:
+            saved[key] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = fn()
+    return result, sum(saved.values())
+
+
 # ---- one PPO engine, measured --------------------------------------------------------------------
 
 def decoder_layers(module):
@@ -236,8 +261,9 @@ def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
     first step), then, on `rows` rollouts (default `forward_batch_size`): a
     forward with the KV cache on (its bytes), the policy's response logits (their
     bytes), and a backward of the policy's log-probs and values (so gradients
-    exist) before counting. Returns `{"model": state_bytes_by_kind,
-    "layer": layer_state_bytes, "activations": {"kv_cache", "logits"}, "shape":
+    exist) before counting; the bytes autograd saved for that backward are the update's activations
+    (`saved_tensor_bytes`). Returns `{"model": state_bytes_by_kind,
+    "layer": layer_state_bytes, "activations": {"kv_cache", "logits", "activations"}, "shape":
     {"rows", "prompt_length", "response_length"}}` (the shape measured, to plan
     with); the gradients are freed again afterwards.
     """
@@ -257,8 +283,21 @@ def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
         activations = {"kv_cache": cache_bytes(out.past_key_values), "logits": out.logits.float().nbytes}
         del out
     micro = slice(0, cfg.micro_batch_size)
-    logprobs, values, _ = be.policy_forward(ids[micro], mask[micro], n_response, cfg.temperature)
-    (logprobs.sum() + values.sum()).backward()
+
+    def update_forward():  # one micro-batch exactly as `PPOTrainer.update` runs it
+        from marlhf_edu.ppo_objective import ppo_loss
+
+        r, want_entropy = rollout, cfg.entropy_coef != 0
+        logprobs, values, entropy = be.policy_forward(ids[micro], mask[micro], n_response, cfg.temperature,
+                                                      with_entropy=want_entropy)
+        return ppo_loss(logprobs.float(), r.logprobs[micro], r.advantages[micro], values.float(), r.values[micro],
+                        r.returns[micro], r.response_mask[micro], None if entropy is None else entropy.float(),
+                        cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
+                        ent_coef=cfg.entropy_coef, ratio_threshold=cfg.ratio_threshold,
+                        loss_aggregation=cfg.loss_aggregation)[0]
+
+    loss, activations["activations"] = saved_tensor_bytes(update_forward, *be.models().values())
+    loss.backward()
     out = {"model": state_bytes_by_kind(be.models(), trainer.optimizer),
            "layer": layer_state_bytes(be.models(), trainer.optimizer), "activations": activations,
            "shape": {"rows": ids.shape[0], "prompt_length": ids.shape[1] - n_response, "response_length": n_response}}

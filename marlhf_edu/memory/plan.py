@@ -13,6 +13,10 @@ target modules per adapter, value mode, optimizer, batch and sequence lengths),
     kv_cache   2 · L · B_fwd · (P + R) · n_kv · d_head values, while sampling
     logits     B · (R + 1) · V fp32 values: the largest logits tensor of a forward
                (only the last R + 1 positions reach the LM head)
+    activations what autograd keeps for the backward of one micro-batch of the update
+               (`forward_activation_bytes`), with or without gradient checkpointing
+
+`MemoryPlan.peak` is the model state plus the larger of the two working sets, sampling or update.
 
 NF4 stores two weights per byte, plus per block of 64 weights an absmax:
 fp32 (4 B) plainly, or with double quantization one byte, itself quantized in
@@ -138,6 +142,7 @@ class MemorySettings:
     micro_batch_size: int = 16         # rows per training forward/backward
     prompt_length: int = 64
     response_length: int = 32
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward (planned only so far)
 
     def validate(self) -> "MemorySettings":
         from marlhf_edu.stages.common import ConfigError
@@ -230,9 +235,55 @@ def activation_bytes(shape: ModelShape, s: MemorySettings) -> dict[str, int]:
     return {"kv_cache": kv, "logits": rows * (s.response_length + 1) * shape.vocab_size * 4}
 
 
+def layer_activation_values(shape: ModelShape, r: int, targets) -> int:
+    """Values one decoder layer saves for the backward, per token (see `forward_activation_bytes`)."""
+    h, i, n = shape.hidden_size, shape.intermediate_size, shape.num_heads
+    if r == 0:  # every weight trains: each linear's input and each norm's normalised values are kept
+        return 10 * h + 4 * i + n + 2
+    values = 7 * h + 3 * i + n + 2  # what a backward must cross a frozen layer with
+    values += r * sum(t in targets for t in ALL_LINEAR)  # the input of each LoRA B
+    values += h if {"gate_proj", "up_proj"} & set(targets) else 0  # the MLP's normalised input, for their A
+    values += i if "down_proj" in targets else 0  # SiLU(gate)·up, for down's A
+    return values
+
+
+def forward_activation_bytes(shape: ModelShape, s: MemorySettings, r: int, targets, *, lm_logits: bool,
+                             value_head: bool) -> int:
+    """Bytes autograd keeps for the backward of one training forward: `micro_batch_size` rows of P + R tokens,
+    one model (the policy, or a critic / value adapter), called as the engine calls it (attention mask and
+    position ids from the mask).
+
+    Counted from what torch 2.13 saves for a Llama layer with sdpa attention (`saved_tensor_bytes` measures
+    it exactly), per token and decoder layer, in the compute dtype:
+      - a frozen layer that gradients must cross: 7h + 3i + n_heads + 2 (the norms' inputs and scales, q and k
+        after RoPE, v, the attention output and its per-head log-sum-exp, the MLP's gate, up and SiLU outputs);
+      - each LoRA target adds r (the input of its B); gate/up add h (their A's input), down adds i;
+      - full fine-tuning (r = 0): 10h + 4i + n_heads + 2;
+      - the padding mask the attention keeps: T values (a batch with padding, the usual case).
+    Exact for target sets that include q_proj (every recipe in the book); others save a little less in layer 0.
+    Outside the layers: RoPE's cos and sin (2 · d_head) and a value head's input (h). The final norm's input
+    takes the place of layer 0's, which comes from the frozen embedding and is not kept. Full fine-tuning adds
+    layer 0's input and the final norm's normalised values (2h + 1), the LM head's input (h) and the token ids
+    (8 B). The log-softmax over the R response positions keeps its fp32 logits (B·R·V·4), the int64 labels and
+    fp32 log-sum-exp (B·R·12). With gradient checkpointing each layer keeps only its input (h per token)
+    during the forward, and one layer's activations exist again while it is recomputed in the backward.
+    """
+    ab, h, L = DTYPE_BYTES[s.weight_dtype], shape.hidden_size, shape.num_layers
+    rows, R = s.micro_batch_size, s.response_length
+    tokens = s.prompt_length + s.response_length
+    layer = layer_activation_values(shape, r, targets) + tokens
+    layers = (L * h + layer) if s.gradient_checkpointing else L * layer
+    outside = 2 * shape.dim_head + (h if value_head else 0)
+    if r == 0:
+        outside += 2 * h + 1 + (h if lm_logits else 0)
+    per_token = (layers + outside) * ab + (8 if r == 0 else 0)
+    logits = rows * R * (shape.vocab_size * 4 + 12) if lm_logits else 0
+    return rows * tokens * per_token + logits
+
+
 # ---- the plans ------------------------------------------------------------------------------------
 
-PARTS = ("weights", "adapters", "gradients", "optimizer", "kv_cache", "logits")
+PARTS = ("weights", "adapters", "gradients", "optimizer", "kv_cache", "logits", "activations")
 STATE_PARTS = ("weights", "adapters", "gradients", "optimizer")
 
 
@@ -247,6 +298,7 @@ class MemoryPlan:
     per_model: dict[str, int]                      # weights + adapters held by each role
     per_layer: dict[str, int] = field(default_factory=dict)  # STATE_PARTS of one decoder layer
     trainable_params: int = 0
+    activations_checkpointed: int = 0              # `activations` had the layers been checkpointed
 
     @property
     def model_state(self) -> int:
@@ -255,7 +307,17 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
+        """Every part added up. An upper bound: the rollout's KV cache and the update's activations never coexist."""
         return sum(self.parts.values())
+
+    @property
+    def peak(self) -> int:
+        """Model state plus the larger working set: sampling (KV cache + logits) or one micro-batch of the update
+        (its saved activations + the fp32 gradient of its response log-softmax, the largest tensor of the backward)."""
+        s = self.settings
+        backward = s.micro_batch_size * s.response_length * self.shape.vocab_size * 4
+        return self.model_state + max(self.parts["kv_cache"] + self.parts["logits"],
+                                      self.parts["activations"] + backward)
 
 
 def _trainable(parts: dict, per_layer: dict, trainable_bytes: int, layer_trainable_bytes: int, n: int, n_layer: int,
@@ -263,6 +325,15 @@ def _trainable(parts: dict, per_layer: dict, trainable_bytes: int, layer_trainab
     parts["gradients"], per_layer["gradients"] = trainable_bytes, layer_trainable_bytes
     parts["optimizer"] = optimizer_bytes(trainable_bytes, n, s.optimizer)
     per_layer["optimizer"] = optimizer_bytes(layer_trainable_bytes, n_layer, s.optimizer)
+
+
+def _update_activations(shape: ModelShape, s: MemorySettings, forwards) -> tuple[int, int]:
+    """Activations of one update micro-batch, as configured and with checkpointing: `forwards` lists each model's
+    training forward as (rank, targets, lm_logits, value_head)."""
+    def total(settings):
+        return sum(forward_activation_bytes(shape, settings, r, t, lm_logits=lm, value_head=v) for r, t, lm, v in forwards)
+
+    return total(s), total(replace(s, gradient_checkpointing=True))
 
 
 def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
@@ -302,7 +373,9 @@ def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     n += h + 1; nbytes += value_head
     _trainable(parts, per_layer, nbytes, nbytes_layer, n, n_layer, s)
     parts.update(activation_bytes(shape, s))
-    return MemoryPlan("four-model", shape, s, parts, per_model, per_layer, n)
+    forwards = [(s.policy_lora_r, s.policy_targets, True, False), (s.value_lora_r, s.value_targets, False, True)]
+    parts["activations"], checkpointed = _update_activations(shape, s, forwards)
+    return MemoryPlan("four-model", shape, s, parts, per_model, per_layer, n, checkpointed)
 
 
 def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
@@ -328,7 +401,12 @@ def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     n = shape.num_layers * n_layer + h + 1
     _trainable(parts, per_layer, shape.num_layers * n_layer * ab + value_head, n_layer * ab, n, n_layer, s)
     parts.update(activation_bytes(shape, s))
-    return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n)
+    shared = s.value_mode == "shared"
+    forwards = [(s.policy_lora_r, s.policy_targets, True, shared)]
+    if not shared:  # the value adapter's own forward
+        forwards.append((s.value_lora_r, s.value_targets, False, True))
+    parts["activations"], checkpointed = _update_activations(shape, s, forwards)
+    return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n, checkpointed)
 
 
 def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
@@ -359,7 +437,9 @@ def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     _trainable(parts, per_layer, shape.num_layers * policy * ab + value_head, policy * ab,
                shape.num_layers * policy + h + 1, policy, s)
     parts.update(activation_bytes(shape, s))
-    return MemoryPlan("LoRA PPO", shape, s, parts, per_model, per_layer, shape.num_layers * policy + h + 1)
+    parts["activations"], checkpointed = _update_activations(shape, s, [(s.policy_lora_r, s.policy_targets, True, True)])
+    return MemoryPlan("LoRA PPO", shape, s, parts, per_model, per_layer, shape.num_layers * policy + h + 1,
+                      checkpointed)
 
 
 def multi_adapter_settings(s: MemorySettings) -> MemorySettings:
@@ -400,6 +480,10 @@ def memory_table(plans: dict[str, MemoryPlan]) -> str:
         rows.append(f"{part:22s}" + "".join(f"{_fmt(p.parts[part]):>{width}s}" for p in plans.values()))
         if part == "optimizer":
             rows.append(f"{'= model state':22s}" + "".join(f"{_fmt(p.model_state):>{width}s}" for p in plans.values()))
+    rows.append(f"{'= peak':22s}" + "".join(f"{_fmt(p.peak):>{width}s}" for p in plans.values()))
+    if not any(p.settings.gradient_checkpointing for p in plans.values()):
+        rows.append(f"{'activations, ckpt':22s}" + "".join(f"{_fmt(p.activations_checkpointed):>{width}s}"
+                                                          for p in plans.values()))
     for baseline in [label for label in labels if label in ("four-model", "LoRA PPO")] or labels[:1]:
         first = plans[baseline].model_state
         rows.append(f"{'÷ ' + baseline:22s}" + "".join(f"{p.model_state / first:>{width}.3f}" for p in plans.values()))
