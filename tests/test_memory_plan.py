@@ -104,7 +104,7 @@ def test_saved_tensor_bytes_counts_what_autograd_keeps_and_not_the_weights():
 
 
 def test_activation_plan_with_checkpointing_and_the_peak():
-    from marlhf_edu.memory.plan import forward_activation_bytes, layer_activation_values
+    from marlhf_edu.memory.plan import forward_activation_bytes, layer_activation_values, recompute_bytes
 
     s = MemorySettings(weight_dtype="bfloat16", load_in_4bit=True, policy_lora_r=64, micro_batch_size=2,
                        prompt_length=64, response_length=256)
@@ -114,12 +114,21 @@ def test_activation_plan_with_checkpointing_and_the_peak():
     tokens, h = 2 * 320, 4096
     layer = layer_activation_values(LLAMA_2_7B, 64, ALL_LINEAR) + 320  # + the padding mask
     assert layer == 8 * h + 4 * 11008 + 7 * 64 + 32 + 2 + 320
-    assert full - ckpt == tokens * 2 * (31 * layer - 32 * h)  # 32 layers' activations → 32 inputs + one layer
+    # 32 layers' activations and RoPE's tables → 32 layer inputs, the final norm's input and its 1/rms
+    assert full - ckpt == tokens * 2 * (32 * layer + 2 * 128 - (33 * h + 1))
+    ckpt_settings = replace(s, value_mode="shared", gradient_checkpointing=True)
+    assert recompute_bytes(LLAMA_2_7B, ckpt_settings, 64, ALL_LINEAR) == tokens * 2 * layer  # one layer, again
+    assert recompute_bytes(LLAMA_2_7B, replace(ckpt_settings, gradient_checkpointing=False), 64, ALL_LINEAR) == 0
     plan = plan_multi_adapter(LLAMA_2_7B, replace(s, value_mode="shared"))
-    assert plan.activations_checkpointed < plan.parts["activations"]
+    assert plan.recompute == 0 and plan.activations_checkpointed < plan.parts["activations"]
     sampling = plan.parts["kv_cache"] + plan.parts["logits"]
     update = plan.parts["activations"] + 2 * 256 * 32000 * 4
     assert plan.peak == plan.model_state + max(sampling, update)
+    ckpt_plan = plan_multi_adapter(LLAMA_2_7B, ckpt_settings)
+    assert ckpt_plan.recompute == tokens * 2 * layer
+    assert ckpt_plan.parts["activations"] + ckpt_plan.recompute == plan.activations_checkpointed
+    assert ckpt_plan.peak == ckpt_plan.model_state + max(sampling, ckpt_plan.parts["activations"] + ckpt_plan.recompute
+                                                         + 2 * 256 * 32000 * 4)
 
 
 def test_storages_are_counted_once():
@@ -146,7 +155,10 @@ TINY = dict(batch_size=16, mini_batch_size=16, micro_batch_size=8, forward_batch
     (MultiAdapterBackend, {"value_mode": "adapter", "load_in_4bit": True}),
     (MultiAdapterBackend, {"value_mode": "adapter", "load_in_4bit": True, "double_quant": False}),
     (MultiAdapterBackend, {"value_mode": "adapter", "actor_lora_r": 4}),  # fp32 base
-], ids=["four-full", "four-lora", "ma-shared-nf4", "ma-adapter-nf4", "ma-adapter-nf4-plain", "ma-adapter-fp32"])
+    (FourModelBackend, {"gradient_checkpointing": True}),
+    (MultiAdapterBackend, {"value_mode": "adapter", "load_in_4bit": True, "gradient_checkpointing": True}),
+], ids=["four-full", "four-lora", "ma-shared-nf4", "ma-adapter-nf4", "ma-adapter-nf4-plain", "ma-adapter-fp32",
+        "four-full-ckpt", "ma-adapter-nf4-ckpt"])
 def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backend_cls, overrides):
     config = PPOConfig(output_dir=str(tmp_path), **{**TINY, **overrides})
     torch.manual_seed(0)
@@ -158,13 +170,16 @@ def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backe
     rows = compare(plan_for(trainer, ModelShape.resolve("zoo"), REWARD_ADAPTER_DIR, measured), measured)
     assert rows["activations"]["measured"] > 0  # what autograd kept for one micro-batch of the update
     for part, row in rows.items():
-        # the issue asked ≤ 10 %; model state is exact, activations within 0.4 % (the loss's small tensors)
+        # the issue asked ≤ 10 %; model state is exact, activations within 0.3 % (the loss's small tensors)
         assert row["ratio"] == pytest.approx(1.0, abs=0.02 if part != "activations" else 0.005), (part, row)
 
 
-def test_planner_matches_one_ma_ppo_step_at_llama_2_7b_width(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+def test_planner_matches_one_ma_ppo_step_at_llama_2_7b_width(tmp_path, checkpointing):
     """One decoder layer of Llama-2-7B's widths in NF4, policy + value LoRA r=64, reward LoRA r=32: ~1 min on CPU."""
-    result = real_width_check(tmp_path, num_layers=1, value_mode="adapter", lora_r=64, reward_r=32)
+    result = real_width_check(tmp_path, num_layers=1, value_mode="adapter", lora_r=64, reward_r=32,
+                              gradient_checkpointing=checkpointing)
+    assert result["settings"]["gradient_checkpointing"] == checkpointing
     rows = result["comparison"]
     assert result["cpu_repacked_layers"] == 0  # the standard NF4 layout, see the module docstring
     assert rows["layer weights"]["measured"] > 100e6  # 202 M weights at ~0.52 B each
@@ -184,6 +199,10 @@ def test_memory_command_prints_the_side_by_side_table(capsys):
     assert float(ratios[0]) == 1.0 and float(ratios[2]) <= 1 / 3
     fair = next(line for line in out.splitlines() if line.startswith("÷ LoRA PPO")).split()[3:]
     assert float(fair[1]) == 1.0 and float(fair[2]) < 0.7 and float(fair[3]) < 1.0
+    assert "activations, ckpt" in out and "(+ layer recomputed)" not in out
+    assert main(["memory", "--config", "configs/memory_llama2_7b.yaml", "--gradient_checkpointing", "true"]) == 0
+    ckpt = capsys.readouterr().out
+    assert "(+ layer recomputed)" in ckpt and "activations, ckpt" not in ckpt
     assert main(["memory", "--config", "configs/tiny_ma_ppo.yaml", "--model_shap", "x"]) == 2
     assert "did you mean 'model_shape'" in capsys.readouterr().err
 

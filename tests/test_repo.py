@@ -60,6 +60,11 @@ def test_chapter_structure(md_path):
     assert re.search(r"check_\w+\(", text), "every chapter has an exercise with a checker"
     assert "### BEGIN SOLUTION" in text and "### END SOLUTION" in text
     assert "plt." in text, "every chapter has at least one figure"
+    for cell in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", text, flags=re.S):
+        # Jupyter displays only a cell's last expression: an earlier bare show() shows nothing
+        statements = [line for line in cell.splitlines() if line and not line.startswith((" ", "#"))]
+        for line in statements[:-1]:
+            assert not line.startswith("show("), f"{md_path.name}: `{line}` is not its cell's last statement"
 
 
 def read_pins(lines):

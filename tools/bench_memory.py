@@ -4,10 +4,11 @@
 
 1. Tiny models, at the demonstration configs' own batch shapes: four-model PPO
    (`configs/tiny_ppo.yaml`) and MA-PPO in both value modes
-   (`configs/tiny_ma_ppo.yaml`, NF4 base): measured bytes of every storage the
-   models and AdamW hold, next to the planner's.
+   (`configs/tiny_ma_ppo.yaml`, NF4 base), each also with gradient
+   checkpointing: measured bytes of every storage the models and AdamW hold and
+   of the activations one update micro-batch saves, next to the planner's.
 2. Llama-2-7B's widths with `--layers` decoder layers, NF4, one MA-PPO step on
-   CPU in both value modes: measured vs planned, whole model and per layer.
+   CPU in both value modes (and with gradient checkpointing): measured vs planned, whole model and per layer.
 3. Llama-2-7B planned (`configs/memory_llama2_7b.yaml`), LoRA on q,k,v,o and on
    all seven linear layers: four-model vs MA-PPO.
 """
@@ -83,12 +84,15 @@ def main(argv=None):
     start = time.perf_counter()
     result = {"tiny": [tiny("configs/tiny_ppo.yaml", []),
                        tiny("configs/tiny_ma_ppo.yaml", ["--value_mode", "shared"]),
-                       tiny("configs/tiny_ma_ppo.yaml", ["--value_mode", "adapter"])]}
+                       tiny("configs/tiny_ma_ppo.yaml", ["--value_mode", "adapter"]),
+                       tiny("configs/tiny_ppo.yaml", ["--gradient_checkpointing", "true"]),
+                       tiny("configs/tiny_ma_ppo.yaml", ["--value_mode", "adapter", "--gradient_checkpointing", "true"])]}
     result["real_width"] = []
-    for mode in ("shared", "adapter"):
+    for mode, ckpt in (("shared", False), ("adapter", False), ("adapter", True)):
         with tempfile.TemporaryDirectory() as tmp:
-            result["real_width"].append({"value_mode": mode, "num_layers": args.layers,
-                                         **real_width_check(tmp, num_layers=args.layers, value_mode=mode)})
+            result["real_width"].append({"value_mode": mode, "num_layers": args.layers, "gradient_checkpointing": ckpt,
+                                         **real_width_check(tmp, num_layers=args.layers, value_mode=mode,
+                                                            gradient_checkpointing=ckpt)})
     result["planned_llama_2_7b"] = planned_7b()
     result["machine"] = machine()
     result["wall_s"] = round(time.perf_counter() - start, 1)

@@ -101,7 +101,7 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
 
 def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", lora_r: int = 64,
                      reward_r: int = 32, batch_size: int = 2, max_new_tokens: int = 8,
-                     double_quant: bool = True) -> dict:
+                     double_quant: bool = True, gradient_checkpointing: bool = False) -> dict:
     """One MA-PPO step on a `num_layers`-layer model of Llama-2-7B's widths in NF4 on CPU; measured vs planned.
 
     Returns `{"shape", "settings", "cpu_repacked_layers" (0 while `keep_nf4_trainable` guards the base),
@@ -122,6 +122,7 @@ def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", 
                            double_quant=double_quant, value_mode=value_mode, actor_lora_r=lora_r, actor_lora_alpha=8,
                            batch_size=batch_size, mini_batch_size=batch_size, micro_batch_size=batch_size,
                            forward_batch_size=batch_size, max_new_tokens=max_new_tokens, max_prompt_length=16,
+                           gradient_checkpointing=gradient_checkpointing,
                            device="cpu", eval_repeats=0, output_dir=str(pathlib.Path(workdir) / "run"))
         torch.manual_seed(0)
         backend = MultiAdapterBackend.from_config(config)

@@ -211,21 +211,18 @@ def saved_tensor_bytes(fn, *modules):
     """
     import torch
 
-    seen = set()
+    seen, total = set(), 0
     for module in modules:
-        _count(_module_tensors(module), seen)
-    saved = {}
+        _count(_module_tensors(module), seen)  # model state: marked as seen, not counted
 
     def pack(t):
-        storage = t.untyped_storage()
-        key = (storage.device.type, storage.data_ptr())
-        if key not in seen and key not in saved:
-            saved[key] = storage.nbytes()
+        nonlocal total
+        total += _count([t], seen)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()
-    return result, sum(saved.values())
+    return result, total
 
 
 # ---- one PPO engine, measured --------------------------------------------------------------------
@@ -282,21 +279,9 @@ def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
                               use_cache=True, logits_to_keep=n_response + 1)
         activations = {"kv_cache": cache_bytes(out.past_key_values), "logits": out.logits.float().nbytes}
         del out
-    micro = slice(0, cfg.micro_batch_size)
-
-    def update_forward():  # one micro-batch exactly as `PPOTrainer.update` runs it
-        from marlhf_edu.ppo_objective import ppo_loss
-
-        r, want_entropy = rollout, cfg.entropy_coef != 0
-        logprobs, values, entropy = be.policy_forward(ids[micro], mask[micro], n_response, cfg.temperature,
-                                                      with_entropy=want_entropy)
-        return ppo_loss(logprobs.float(), r.logprobs[micro], r.advantages[micro], values.float(), r.values[micro],
-                        r.returns[micro], r.response_mask[micro], None if entropy is None else entropy.float(),
-                        cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
-                        ent_coef=cfg.entropy_coef, ratio_threshold=cfg.ratio_threshold,
-                        loss_aggregation=cfg.loss_aggregation)[0]
-
-    loss, activations["activations"] = saved_tensor_bytes(update_forward, *be.models().values())
+    micro = slice(0, cfg.micro_batch_size)  # the first micro-batch, exactly as `PPOTrainer.update` runs one
+    (loss, _), activations["activations"] = saved_tensor_bytes(lambda: trainer.micro_batch_loss(rollout, micro),
+                                                               *be.models().values())
     loss.backward()
     out = {"model": state_bytes_by_kind(be.models(), trainer.optimizer),
            "layer": layer_state_bytes(be.models(), trainer.optimizer), "activations": activations,

@@ -142,7 +142,7 @@ class MemorySettings:
     micro_batch_size: int = 16         # rows per training forward/backward
     prompt_length: int = 64
     response_length: int = 32
-    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward (planned only so far)
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward
 
     def validate(self) -> "MemorySettings":
         from marlhf_edu.stages.common import ConfigError
@@ -170,6 +170,7 @@ class MemorySettings:
                    policy_lora_r=config.actor_lora_r, value_lora_r=config.actor_lora_r, reward_lora_r=reward_lora_r,
                    policy_targets=targets, value_targets=targets, reward_targets=tuple(reward_targets),
                    value_mode=config.value_mode, optimizer=optimizer,
+                   gradient_checkpointing=config.gradient_checkpointing,
                    forward_batch_size=min(config.forward_batch_size, config.batch_size),
                    micro_batch_size=config.micro_batch_size, prompt_length=prompt_length or config.max_prompt_length,
                    response_length=config.max_new_tokens)
@@ -263,22 +264,41 @@ def forward_activation_bytes(shape: ModelShape, s: MemorySettings, r: int, targe
     Exact for target sets that include q_proj (every recipe in the book); others save a little less in layer 0.
     Outside the layers: RoPE's cos and sin (2 · d_head) and a value head's input (h). The final norm's input
     takes the place of layer 0's, which comes from the frozen embedding and is not kept. Full fine-tuning adds
-    layer 0's input and the final norm's normalised values (2h + 1), the LM head's input (h) and the token ids
-    (8 B). The log-softmax over the R response positions keeps its fp32 logits (B·R·V·4), the int64 labels and
-    fp32 log-sum-exp (B·R·12). With gradient checkpointing each layer keeps only its input (h per token)
-    during the forward, and one layer's activations exist again while it is recomputed in the backward.
+    layer 0's input and the final norm's normalised values (2h + 1), the token ids (8 B) and the LM head's
+    input at the R + 1 positions it is applied to. The log-softmax over the R response positions keeps its fp32
+    logits (B·R·V·4), the int64 labels and fp32 log-sum-exp (B·R·12).
+
+    With gradient checkpointing (`marlhf_edu.checkpointing`) each layer keeps only its input, layer 0's
+    included (L·h per token), plus the final norm's input and 1/rms (h + 1); the mask and RoPE tables stay
+    alive through the checkpoint, not as saved tensors (one copy per forward, not per layer, and not counted
+    here). One layer's activations exist again while it is recomputed in the backward: `recompute_bytes`, part
+    of `MemoryPlan.peak`.
     """
     ab, h, L = DTYPE_BYTES[s.weight_dtype], shape.hidden_size, shape.num_layers
     rows, R = s.micro_batch_size, s.response_length
     tokens = s.prompt_length + s.response_length
-    layer = layer_activation_values(shape, r, targets) + tokens
-    layers = (L * h + layer) if s.gradient_checkpointing else L * layer
-    outside = 2 * shape.dim_head + (h if value_head else 0)
-    if r == 0:
-        outside += 2 * h + 1 + (h if lm_logits else 0)
-    per_token = (layers + outside) * ab + (8 if r == 0 else 0)
-    logits = rows * R * (shape.vocab_size * 4 + 12) if lm_logits else 0
-    return rows * tokens * per_token + logits
+    if s.gradient_checkpointing:
+        per_token = L * h + h + 1 + (h if r == 0 else 0)  # + the final norm's normalised values when it trains
+    else:
+        per_token = L * (layer_activation_values(shape, r, targets) + tokens) + 2 * shape.dim_head
+        per_token += 2 * h + 1 if r == 0 else 0
+    per_token += h if value_head else 0
+    nbytes = rows * tokens * (per_token * ab + (8 if r == 0 else 0))
+    if r == 0 and lm_logits:
+        nbytes += rows * (R + 1) * h * ab  # the LM head's input (its weight trains)
+    if lm_logits:
+        nbytes += rows * R * (shape.vocab_size * 4 + 12)
+    return nbytes
+
+
+def recompute_bytes(shape: ModelShape, s: MemorySettings, r: int, targets) -> int:
+    """With gradient checkpointing: the activations of the one decoder layer being recomputed in the backward
+    (`micro_batch_size` rows of P + R tokens, see `forward_activation_bytes`); 0 without it."""
+    if not s.gradient_checkpointing:
+        return 0
+    tokens = s.prompt_length + s.response_length
+    values = layer_activation_values(shape, r, targets) + tokens
+    return s.micro_batch_size * tokens * values * DTYPE_BYTES[s.weight_dtype]
 
 
 # ---- the plans ------------------------------------------------------------------------------------
@@ -298,7 +318,8 @@ class MemoryPlan:
     per_model: dict[str, int]                      # weights + adapters held by each role
     per_layer: dict[str, int] = field(default_factory=dict)  # STATE_PARTS of one decoder layer
     trainable_params: int = 0
-    activations_checkpointed: int = 0              # `activations` had the layers been checkpointed
+    activations_checkpointed: int = 0              # activations + recompute had the layers been checkpointed
+    recompute: int = 0                             # one layer recomputed in the backward (checkpointing only)
 
     @property
     def model_state(self) -> int:
@@ -313,11 +334,12 @@ class MemoryPlan:
     @property
     def peak(self) -> int:
         """Model state plus the larger working set: sampling (KV cache + logits) or one micro-batch of the update
-        (its saved activations + the fp32 gradient of its response log-softmax, the largest tensor of the backward)."""
+        (its saved activations, the layer being recomputed when checkpointing, and the fp32 gradient of its response
+        log-softmax, the largest tensor of the backward)."""
         s = self.settings
         backward = s.micro_batch_size * s.response_length * self.shape.vocab_size * 4
         return self.model_state + max(self.parts["kv_cache"] + self.parts["logits"],
-                                      self.parts["activations"] + backward)
+                                      self.parts["activations"] + self.recompute + backward)
 
 
 def _trainable(parts: dict, per_layer: dict, trainable_bytes: int, layer_trainable_bytes: int, n: int, n_layer: int,
@@ -327,13 +349,20 @@ def _trainable(parts: dict, per_layer: dict, trainable_bytes: int, layer_trainab
     per_layer["optimizer"] = optimizer_bytes(layer_trainable_bytes, n_layer, s.optimizer)
 
 
-def _update_activations(shape: ModelShape, s: MemorySettings, forwards) -> tuple[int, int]:
-    """Activations of one update micro-batch, as configured and with checkpointing: `forwards` lists each model's
-    training forward as (rank, targets, lm_logits, value_head)."""
-    def total(settings):
+def _update_activations(shape: ModelShape, s: MemorySettings, forwards) -> dict:
+    """Activations of one update micro-batch: `forwards` lists each model's training forward as
+    (rank, targets, lm_logits, value_head). Returns the `MemoryPlan` fields: `activations` (saved, as configured),
+    `recompute` (the largest layer recomputed in the backward, one at a time) and `activations_checkpointed`
+    (saved + recompute with checkpointing, for comparison)."""
+    def saved(settings):
         return sum(forward_activation_bytes(shape, settings, r, t, lm_logits=lm, value_head=v) for r, t, lm, v in forwards)
 
-    return total(s), total(replace(s, gradient_checkpointing=True))
+    def recompute(settings):
+        return max(recompute_bytes(shape, settings, r, t) for r, t, _, _ in forwards)
+
+    ckpt = replace(s, gradient_checkpointing=True)
+    return {"activations": saved(s), "recompute": recompute(s),
+            "activations_checkpointed": saved(ckpt) + recompute(ckpt)}
 
 
 def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
@@ -374,8 +403,9 @@ def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     _trainable(parts, per_layer, nbytes, nbytes_layer, n, n_layer, s)
     parts.update(activation_bytes(shape, s))
     forwards = [(s.policy_lora_r, s.policy_targets, True, False), (s.value_lora_r, s.value_targets, False, True)]
-    parts["activations"], checkpointed = _update_activations(shape, s, forwards)
-    return MemoryPlan("four-model", shape, s, parts, per_model, per_layer, n, checkpointed)
+    act = _update_activations(shape, s, forwards)
+    parts["activations"] = act.pop("activations")
+    return MemoryPlan("four-model", shape, s, parts, per_model, per_layer, n, **act)
 
 
 def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
@@ -405,8 +435,9 @@ def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     forwards = [(s.policy_lora_r, s.policy_targets, True, shared)]
     if not shared:  # the value adapter's own forward
         forwards.append((s.value_lora_r, s.value_targets, False, True))
-    parts["activations"], checkpointed = _update_activations(shape, s, forwards)
-    return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n, checkpointed)
+    act = _update_activations(shape, s, forwards)
+    parts["activations"] = act.pop("activations")
+    return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n, **act)
 
 
 def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
@@ -437,9 +468,9 @@ def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     _trainable(parts, per_layer, shape.num_layers * policy * ab + value_head, policy * ab,
                shape.num_layers * policy + h + 1, policy, s)
     parts.update(activation_bytes(shape, s))
-    parts["activations"], checkpointed = _update_activations(shape, s, [(s.policy_lora_r, s.policy_targets, True, True)])
-    return MemoryPlan("LoRA PPO", shape, s, parts, per_model, per_layer, shape.num_layers * policy + h + 1,
-                      checkpointed)
+    act = _update_activations(shape, s, [(s.policy_lora_r, s.policy_targets, True, True)])
+    parts["activations"] = act.pop("activations")
+    return MemoryPlan("LoRA PPO", shape, s, parts, per_model, per_layer, shape.num_layers * policy + h + 1, **act)
 
 
 def multi_adapter_settings(s: MemorySettings) -> MemorySettings:
@@ -481,7 +512,9 @@ def memory_table(plans: dict[str, MemoryPlan]) -> str:
         if part == "optimizer":
             rows.append(f"{'= model state':22s}" + "".join(f"{_fmt(p.model_state):>{width}s}" for p in plans.values()))
     rows.append(f"{'= peak':22s}" + "".join(f"{_fmt(p.peak):>{width}s}" for p in plans.values()))
-    if not any(p.settings.gradient_checkpointing for p in plans.values()):
+    if any(p.settings.gradient_checkpointing for p in plans.values()):
+        rows.append(f"{'(+ layer recomputed)':22s}" + "".join(f"{_fmt(p.recompute):>{width}s}" for p in plans.values()))
+    else:
         rows.append(f"{'activations, ckpt':22s}" + "".join(f"{_fmt(p.activations_checkpointed):>{width}s}"
                                                           for p in plans.values()))
     for baseline in [label for label in labels if label in ("four-model", "LoRA PPO")] or labels[:1]:

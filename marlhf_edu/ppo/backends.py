@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from marlhf_edu.checkpointing import checkpointed, enable_checkpointing
 from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.scoring import position_ids_from_mask, sequence_scores
 
@@ -154,6 +155,17 @@ class PPOBackend:
         """The distinct modules, for memory accounting and freeze checks."""
         raise NotImplementedError
 
+    _checkpointed: tuple = ()
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the trainable models' decoder layers in the backward of `policy_forward` (see
+        `marlhf_edu.checkpointing`); takes effect inside `training_forward()`."""
+        raise NotImplementedError
+
+    def training_forward(self):
+        """The context of a `policy_forward` whose graph a backward will use: checkpointed layers, if enabled."""
+        return checkpointed(*self._checkpointed)
+
 
 class quiet_loading:
     """Silence transformers' load reports for the expected mismatches (a causal-LM checkpoint loaded as a bare
@@ -249,6 +261,9 @@ class FourModelBackend(PPOBackend):
 
     def models(self):
         return {"actor": self.actor, "critic": self.critic, "reference": self.reference, "reward": self.reward}
+
+    def enable_gradient_checkpointing(self):
+        self._checkpointed = (enable_checkpointing(self.actor), enable_checkpointing(self.critic.backbone))
 
     @property
     def policy_model(self):

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marlhf_edu.kl import KL_KINDS
+from marlhf_edu.ppo_objective import LOSS_AGGREGATIONS
 from marlhf_edu.stages.common import ConfigError
 
 #: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
@@ -49,6 +50,7 @@ class PPOConfig:
     micro_batch_size: int = field(default=16, metadata={"help": "rollouts per forward/backward (gradient accumulation)"})
     forward_batch_size: int = field(default=64, metadata={"help": "rollouts per no-grad forward (scoring, old/ref log-probs)"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch of rollouts"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "recompute each decoder layer in the update's backward instead of keeping its activations (less memory, one more forward of compute)"})
     # ---- sampling -------------------------------------------------------------------------
     max_new_tokens: int = field(default=32)
     temperature: float = field(default=1.0, metadata={"help": "divides the logits in sampling and in scoring alike"})
@@ -116,8 +118,8 @@ class PPOConfig:
              "(use them only for sampling outside PPO)")
         need(self.early_stopping_check in ("epoch", "minibatch"),
              f"early_stopping_check must be 'epoch' or 'minibatch', got {self.early_stopping_check!r}")
-        need(self.loss_aggregation in ("token-mean", "sequence-mean"),
-             f"loss_aggregation must be 'token-mean' or 'sequence-mean', got {self.loss_aggregation!r}")
+        need(self.loss_aggregation in LOSS_AGGREGATIONS,
+             f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}")
         need(self.critic_init in ("zero", "reward_model"),
              f"critic_init must be 'zero' or 'reward_model', got {self.critic_init!r}")
         need(self.kl_estimator in TOKEN_KL_KINDS, f"kl_estimator must be one of {TOKEN_KL_KINDS}, got {self.kl_estimator!r}")

@@ -33,6 +33,7 @@ from torch import nn
 
 from marlhf_edu.ppo.backends import (PPOBackend, _check_tokenizer, quiet_loading, response_logprobs, response_values,
                                      sample)
+from marlhf_edu.checkpointing import enable_checkpointing
 from marlhf_edu.masked import last_valid_index
 from marlhf_edu.quantization import keep_nf4_trainable, nf4_loading_kwargs  # noqa: F401 (public here too)
 from marlhf_edu.scoring import position_ids_from_mask
@@ -171,6 +172,15 @@ class MultiAdapterBackend(PPOBackend):
         finally:
             self.model.set_adapter("policy")
             self._restore_trainable()
+
+    def enable_gradient_checkpointing(self):
+        # a layer is recomputed in the backward, when `policy` is active again: replay it under the adapter that
+        # was active in its forward, or the value adapter would receive gradients computed through the policy's
+        self._checkpointed = (enable_checkpointing(self.model, recompute_context=self._replay_adapter),)
+
+    def _replay_adapter(self):
+        active = self.model.active_adapter
+        return contextlib.nullcontext() if active == "policy" else self._use_adapter(active)
 
     # ---- the four questions ---------------------------------------------------------------------
 

@@ -105,6 +105,8 @@ class PPOTrainer:
             raise ConfigError(f"{len(too_long)} prompt(s) exceed max_prompt_length={config.max_prompt_length} tokens "
                               f"(first rows: {too_long[:5]}, longest {max(lengths)}); raise it or filter them")
         self.prompts = list(prompts)
+        if config.gradient_checkpointing:
+            backend.enable_gradient_checkpointing()
         groups = backend.parameter_groups()
         lrs = {"policy": config.learning_rate, "value": config.critic_learning_rate or config.learning_rate}
         self.optimizer = torch.optim.AdamW(
@@ -199,14 +201,7 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_stats = defaultdict(list)
                 for micro in mb.split(cfg.micro_batch_size):
-                    logprobs, values, entropy = be.policy_forward(r.input_ids[micro], r.attention_mask[micro], r.n_response,
-                                                                  cfg.temperature, with_entropy=cfg.entropy_coef != 0)
-                    loss, stats = ppo_loss(logprobs.float(), r.logprobs[micro], r.advantages[micro], values.float(),
-                                           r.values[micro], r.returns[micro], r.response_mask[micro],
-                                           None if entropy is None else entropy.float(),
-                                           cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value,
-                                           vf_coef=cfg.vf_coef, ent_coef=cfg.entropy_coef,
-                                           ratio_threshold=cfg.ratio_threshold, loss_aggregation=cfg.loss_aggregation)
+                    loss, stats = self.micro_batch_loss(r, micro)
                     (loss * (len(micro) / len(mb))).backward()
                     for k, v in stats.items():
                         mb_stats[k].append(float(v))
@@ -235,6 +230,19 @@ class PPOTrainer:
         out["ppo/epochs"] = epochs_run
         out["ppo/early_stopped"] = float(stop)
         return out
+
+    def micro_batch_loss(self, r: Rollout, rows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`ppo_loss` of rollout rows `rows` under the current policy and critic (one forward with the graph)."""
+        cfg = self.config
+        with self.backend.training_forward():  # checkpointed layers when `gradient_checkpointing`
+            logprobs, values, entropy = self.backend.policy_forward(r.input_ids[rows], r.attention_mask[rows],
+                                                                    r.n_response, cfg.temperature,
+                                                                    with_entropy=cfg.entropy_coef != 0)
+        return ppo_loss(logprobs.float(), r.logprobs[rows], r.advantages[rows], values.float(), r.values[rows],
+                        r.returns[rows], r.response_mask[rows], None if entropy is None else entropy.float(),
+                        cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
+                        ent_coef=cfg.entropy_coef, ratio_threshold=cfg.ratio_threshold,
+                        loss_aggregation=cfg.loss_aggregation)
 
     def _kl_too_far(self, acc) -> bool:
         return acc["policy/policykl"][-1] > 1.5 * self.config.early_stopping_target_kl
