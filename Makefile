@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM=false
 export PYTHONWARNINGS=ignore
 export MPLBACKEND=module://matplotlib_inline.backend_inline
 
-.PHONY: install test test-portable book notebooks lab lock clean
+.PHONY: install test test-portable book book-execute site-check notebooks lab lock clean
 
 install: $(STAMP)
 
@@ -36,8 +36,16 @@ test-portable: $(STAMP)
 	for cap in default avx2; do echo "ATEN_CPU_CAPABILITY=$$cap"; \
 	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest notebooks $(NBVAL) -q || exit 1; done
 
+# The site (Sphinx + myst-nb) from the stored outputs into build/site/; book-execute re-executes every chapter
+# first (into build/executed/). site-check opens the site in headless Chromium (needs `apt-get install chromium`).
 book: $(STAMP)
-	$(PY) tools/book.py build
+	$(PY) tools/book.py site
+
+book-execute: $(STAMP)
+	$(PY) tools/book.py site --execute
+
+site-check: $(STAMP)
+	$(PY) -m pytest tests/test_site.py -q
 
 notebooks: $(STAMP)
 	$(PY) tools/book.py notebooks $(CHAPTERS)

@@ -11,7 +11,7 @@ from marlhf_edu._validate import as_bool_mask, check_no_nan, check_same_shape
 from marlhf_edu.masked import masked_mean
 
 
-#: Bound on |log π − log π_old| inside `policy_loss`, so the ratio can never overflow.
+#: Bound on the absolute log-ratio log π − log π_old inside `policy_loss`, so the ratio can never overflow.
 LOG_RATIO_LIMIT = 20.0
 
 

@@ -1,19 +1,23 @@
-"""Execute and render the book.
+"""Execute the chapters and build the book's site.
 
   python tools/book.py notebooks [NAME ...]   re-generate notebooks/ from chapters/ and execute them in place
-  python tools/book.py build                  execute every chapter into build/ and render HTML + index
+  python tools/book.py site                   build the site into build/site/ from the stored outputs
+  python tools/book.py site --execute         execute every chapter into build/executed/ first, build from those
   python tools/book.py status                 list chapter pairs that are out of sync or unexecuted
 
-`build` never writes to notebooks/; `notebooks` is the only command that rewrites stored outputs.
+The site is Sphinx + myst-nb + sphinx-book-theme (`site/conf.py`), with MathJax installed from the npm
+registry (`site/package.json`, `site/package-lock.json`) and served locally. `site` never writes to
+notebooks/; `notebooks` is the only command that rewrites stored outputs.
 """
 
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import os
 import pathlib
+import shutil
+import subprocess
 import sys
 import time
 
@@ -21,6 +25,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "chapters"
 NOTEBOOKS = ROOT / "notebooks"
 BUILD = ROOT / "build"
+SITE = ROOT / "site"
+# the parts of MathJax's es5 distribution that TeX input with CHTML output loads
+MATHJAX_PARTS = ["tex-chtml.js", "input", "output", "ui", "a11y", "adaptors", "sre"]
 
 # What every kernel that executes a chapter sees (nbval's kernel gets the same from the Makefile).
 QUIET_ENV = {
@@ -60,7 +67,10 @@ def execute(nb, timeout: int = 900):
     from nbclient import NotebookClient
 
     os.environ.update(QUIET_ENV)
+    # the kernel listens on loopback only; ipykernel's notice that such TCP is unencrypted is not for
+    # readers of the build log, so its own log stops at errors
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
     start = time.perf_counter()
     client.execute()
@@ -78,33 +88,71 @@ def cmd_notebooks(names: list[str] | None) -> None:
         print(f"{out.relative_to(ROOT)}: executed in {seconds:.1f} s")
 
 
-def cmd_build() -> None:
-    import nbformat
-    from nbconvert import HTMLExporter
+def install_mathjax(static: pathlib.Path) -> None:
+    """MathJax from the npm registry, pinned by site/package-lock.json, copied into the site's _static/."""
+    npm_dir = BUILD / "npm"
+    installed = npm_dir / "node_modules" / "mathjax" / "package.json"
+    wanted = json.loads((SITE / "package-lock.json").read_text())["packages"]["node_modules/mathjax"]["version"]
+    if not installed.exists() or json.loads(installed.read_text())["version"] != wanted:
+        npm = shutil.which("npm")
+        if npm is None:
+            sys.exit("make book needs npm (Node.js) to install MathJax: apt-get install npm, or set "
+                     "MARLHF_MATHJAX_CDN=1 to load MathJax from its CDN instead")
+        npm_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("package.json", "package-lock.json"):
+            shutil.copy(SITE / name, npm_dir / name)
+        subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=npm_dir, check=True)
+    es5 = npm_dir / "node_modules" / "mathjax" / "es5"
+    for part in MATHJAX_PARTS:
+        src, dst = es5 / part, static / "mathjax" / part
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
 
-    BUILD.mkdir(exist_ok=True)
-    exporter = HTMLExporter()
-    rows, timings = [], {}
-    total = 0.0
+
+def stage_site(notebooks: pathlib.Path) -> pathlib.Path:
+    """build/site-src/: the Sphinx sources of site/ plus the executed notebooks under chapters/."""
+    src = BUILD / "site-src"
+    if src.exists():
+        shutil.rmtree(src)
+    shutil.copytree(SITE, src, ignore=shutil.ignore_patterns("package*.json", "__pycache__"))
+    (src / "chapters").mkdir()
+    for md in chapter_paths():
+        shutil.copy(notebooks / f"{md.stem}.ipynb", src / "chapters" / f"{md.stem}.ipynb")
+    if os.environ.get("MARLHF_MATHJAX_CDN") != "1":
+        install_mathjax(src / "_static")
+    return src
+
+
+def execute_all() -> pathlib.Path:
+    """Execute every chapter afresh into build/executed/ (stored outputs in notebooks/ stay untouched)."""
+    import nbformat
+
+    out = BUILD / "executed"
+    out.mkdir(parents=True, exist_ok=True)
+    timings, total = {}, 0.0
     for md in chapter_paths():
         nb = read_chapter(md)
         seconds = execute(nb)
         total += seconds
         timings[md.stem] = round(seconds, 1)
-        nbformat.write(nb, BUILD / f"{md.stem}.ipynb")
-        body, _ = exporter.from_notebook_node(nb)
-        (BUILD / f"{md.stem}.html").write_text(body, encoding="utf-8")
-        title = next((c.source.lstrip("# ").splitlines()[0] for c in nb.cells
-                      if c.cell_type == "markdown" and c.source.startswith("# ")), md.stem)
-        rows.append(f'<li><a href="{md.stem}.html">{html.escape(title)}</a> <small>({seconds:.1f} s)</small></li>')
-        print(f"build/{md.stem}.html ({seconds:.1f} s)")
+        nbformat.write(nb, out / f"{md.stem}.ipynb")
+        print(f"build/executed/{md.stem}.ipynb ({seconds:.1f} s)")
     timings["total"] = round(total, 1)
-    (BUILD / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
-    (BUILD / "index.html").write_text(
-        "<!doctype html><meta charset='utf-8'><title>marlhf-edu</title>"
-        "<h1>marlhf-edu: RLHF with PPO and multi-adapter PPO</h1><ol>" + "".join(rows) + "</ol>"
-        f"<p>Executed in {total:.0f} s.</p>\n", encoding="utf-8")
-    print(f"build/index.html — {len(rows)} chapters executed in {total:.1f} s")
+    (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    print(f"{len(timings) - 1} chapters executed in {total:.1f} s")
+    return out
+
+
+def cmd_site(execute_first: bool) -> None:
+    start = time.perf_counter()
+    src = stage_site(execute_all() if execute_first else NOTEBOOKS)
+    out = BUILD / "site"
+    # -W: a broken reference, a missing image or a malformed docstring fails the build instead of a log line
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-q", "-W", "--keep-going",
+           "-d", str(BUILD / "site-doctrees"), str(src), str(out)]
+    env = {**os.environ, **QUIET_ENV, "PYTHONPATH": str(ROOT)}
+    subprocess.run(cmd, check=True, env=env)
+    print(f"{out.relative_to(ROOT)}/index.html built in {time.perf_counter() - start:.0f} s")
 
 
 def out_of_sync() -> list[str]:
@@ -136,13 +184,14 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     nbp = sub.add_parser("notebooks")
     nbp.add_argument("names", nargs="*")
-    sub.add_parser("build")
+    site = sub.add_parser("site")
+    site.add_argument("--execute", action="store_true", help="execute every chapter afresh before building")
     sub.add_parser("status")
     args = parser.parse_args()
     if args.cmd == "notebooks":
         cmd_notebooks(args.names)
-    elif args.cmd == "build":
-        cmd_build()
+    elif args.cmd == "site":
+        cmd_site(args.execute)
     else:
         problems = out_of_sync()
         print("\n".join(problems) if problems else "all chapter pairs in sync and executed")

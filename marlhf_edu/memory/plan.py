@@ -3,7 +3,7 @@
 For a model shape (`ModelShape`: tiny, Llama-2-7B, …) and a recipe
 (`MemorySettings`: weight dtype or NF4 ± double quantization, LoRA rank and
 target modules per adapter, value mode, optimizer, batch and sequence lengths),
-`plan_four_model` and `plan_multi_adapter` return a `MemoryPlan`:
+`plan_four_model` and `plan_multi_adapter` return a `MemoryPlan`::
 
     weights    base weights: four copies (actor, critic backbone, reference, reward
                backbone) or one shared base
@@ -256,11 +256,13 @@ def forward_activation_bytes(shape: ModelShape, s: MemorySettings, r: int, targe
 
     Counted from what torch 2.13 saves for a Llama layer with sdpa attention (`saved_tensor_bytes` measures
     it exactly), per token and decoder layer, in the compute dtype:
+
       - a frozen layer that gradients must cross: 7h + 3i + n_heads + 2 (the norms' inputs and scales, q and k
         after RoPE, v, the attention output and its per-head log-sum-exp, the MLP's gate, up and SiLU outputs);
       - each LoRA target adds r (the input of its B); gate/up add h (their A's input), down adds i;
       - full fine-tuning (r = 0): 10h + 4i + n_heads + 2;
       - the padding mask the attention keeps: T values (a batch with padding, the usual case).
+
     Exact for target sets that include q_proj (every recipe in the book); others save a little less in layer 0.
     Outside the layers: RoPE's cos and sin (2 · d_head) and a value head's input (h). The final norm's input
     takes the place of layer 0's, which comes from the frozen embedding and is not kept. Full fine-tuning adds

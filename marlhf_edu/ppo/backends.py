@@ -200,6 +200,7 @@ class FourModelBackend(PPOBackend):
       or its own LoRA adapter of the same rank), zero-initialised head;
     - reference: a third copy of the SFT model, frozen;
     - reward: the reward model (backbone + LoRA adapter + score head), frozen.
+
     All four stay in eval mode: dropout off, so a re-computed log-prob equals the rollout's.
     """
 

@@ -1,0 +1,81 @@
+"""Sphinx configuration of the book's site (`make book`; staged and built by `tools/book.py site`).
+
+The chapters are rendered from the executed notebooks in `notebooks/`, never re-executed here: nbval already
+regresses those outputs. MathJax comes from the npm registry (`site/package.json`) and is served from the
+site itself, so equations render without internet.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import marlhf_edu
+
+project = "marlhf-edu"
+author = "the marlhf-edu authors"
+copyright = "the marlhf-edu authors, Apache-2.0"
+release = version = marlhf_edu.__version__
+
+extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.mathjax", "sphinx.ext.viewcode"]
+exclude_patterns = ["_build", "node_modules", "**.ipynb_checkpoints"]
+
+# --- notebooks: stored outputs only, MyST math ---------------------------------------------------------
+nb_execution_mode = "off"
+nb_merge_streams = True
+myst_enable_extensions = ["dollarmath", "amsmath"]
+myst_heading_anchors = 3
+numfig = True  # numbered figures and equations, referenced with {numref} and {eq}
+math_numfig = True
+math_eqref_format = "({number})"
+numfig_format = {"figure": "Figure %s"}
+
+# --- MathJax: a local copy unless MARLHF_MATHJAX_CDN=1 ----------------------------------------------
+if os.environ.get("MARLHF_MATHJAX_CDN") != "1":
+    mathjax_path = "mathjax/tex-chtml.js"
+mathjax3_config = {"tex": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]]}}
+
+# --- API reference from the docstrings ---------------------------------------------------------------
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"members": True, "undoc-members": False}
+default_role = "literal"  # docstrings write `name` for code
+
+CHAPTERS = {}  # "04" -> "chapters/04_gae", filled from the staged source directory
+_here = os.path.dirname(os.path.abspath(__file__))
+for _name in sorted(os.listdir(os.path.join(_here, "chapters"))) if os.path.isdir(os.path.join(_here, "chapters")) else []:
+    if re.match(r"\d\d_.*\.ipynb$", _name):
+        CHAPTERS[_name[:2]] = "chapters/" + _name.removesuffix(".ipynb")
+
+_CHAPTER_RE = re.compile(r"\b([Cc]hapters?) (\d\d)\b(?: \(`chapters/\d\d_\w+\.md`\))?")
+
+
+def link_chapters(app, what, name, obj, options, lines):
+    """'Taught in chapter 04' in a docstring becomes a link to chapter 04."""
+    for i, line in enumerate(lines):
+        lines[i] = _CHAPTER_RE.sub(
+            lambda m: f":doc:`{m.group(1)} {m.group(2)} </{CHAPTERS[m.group(2)]}>`" if m.group(2) in CHAPTERS else m.group(0),
+            line)
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", link_chapters)
+    # MathJax on every page, not only on pages with equations: the navigation shows chapter 2's title,
+    # which has math, on the search and index pages too
+    app.set_html_assets_policy("always")
+    app.add_css_file("marlhf.css")
+
+
+# --- theme --------------------------------------------------------------------------------------------
+html_theme = "sphinx_book_theme"
+html_title = "marlhf-edu: RLHF with PPO and multi-adapter PPO"
+html_static_path = ["_static"]
+html_last_updated_fmt = None
+html_theme_options = {
+    "show_toc_level": 2,
+    "navigation_with_keys": True,
+    "show_navbar_depth": 1,
+    "use_download_button": True,
+    "home_page_in_toc": True,
+}
+html_show_sourcelink = False

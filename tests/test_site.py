@@ -1,0 +1,169 @@
+"""The book's site, built as `make book` builds it and opened in headless Chromium.
+
+Checks what a reader would see: equations rendered by MathJax (no raw LaTeX outside code), every internal
+link and anchor resolving, figures loaded, search finding the GAE chapter, navigation between chapters.
+One screenshot per checked page lands in build/site-check/ so a person can look.
+
+Needs Chromium (`apt-get install chromium`; CI's `.ci/run` installs it). Without it the browser checks are
+skipped on a developer machine and fail under CI (`CI` set).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.parse
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SITE = ROOT / "build" / "site"
+SHOTS = ROOT / "build" / "site-check"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+# as the machine notes say: no background networking on a closed network, a fresh profile, no sandbox as root
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# LaTeX that MathJax should have consumed: display/inline delimiters, or a control word such as \delta
+RAW_LATEX = re.compile(r"\$\$|\\\(|\\\)|\\\[|\\\]|\\[A-Za-z]{2,}")
+# the visible text of a page without code, where LaTeX may legitimately appear (docstrings, listings)
+VISIBLE_PROSE = """() => {
+  const body = document.querySelector('article') || document.body;
+  const copy = body.cloneNode(true);
+  copy.querySelectorAll('pre, code, script, style, mjx-container, .highlight').forEach(e => e.remove());
+  return copy.innerText;
+}"""
+
+
+def test_toc_lists_every_chapter_in_order():
+    toc = re.search(r"```\{toctree\}\n:maxdepth: 1\n:caption: Chapters\n\n(.*?)```", (ROOT / "site" / "index.md").read_text(), re.S)
+    listed = toc.group(1).split()
+    assert listed == [f"chapters/{p.stem}" for p in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))]
+
+
+@pytest.fixture(scope="module")
+def site():
+    """Build the site from the stored outputs (as `make book` does) and serve it on localhost."""
+    subprocess.run([sys.executable, str(ROOT / "tools" / "book.py"), "site"], check=True, cwd=ROOT)
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(SITE))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+
+
+def test_site_pages_exist(site):
+    for name in ["index.html", "search.html", "api.html", "chapters/04_gae.html", "_static/mathjax/tex-chtml.js"]:
+        assert (SITE / name).exists(), name
+    # MathJax is served by the site itself unless a CDN was asked for
+    html = (SITE / "chapters" / "04_gae.html").read_text()
+    assert 'src="../_static/mathjax/tex-chtml.js' in html and "cdn.jsdelivr" not in html
+
+
+@pytest.fixture(scope="module")
+def browser(site):
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the browser checks: install Debian's chromium (.ci/run does)")
+        pytest.skip("no chromium on this machine (apt-get install chromium); CI runs these checks")
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def open_page(browser, url):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(url, wait_until="load")
+    # MathJax typesets asynchronously after load; its startup promise resolves when the page is done
+    page.wait_for_function("() => !window.MathJax || (MathJax.startup && MathJax.startup.promise)")
+    page.evaluate("() => window.MathJax ? MathJax.startup.promise : null")
+    return page
+
+
+PAGES = sorted(["index.html", "api.html", "search.html", "genindex.html", "py-modindex.html"]
+               + [f"chapters/{p.stem}.html" for p in (ROOT / "chapters").glob("[0-9][0-9]_*.md")])
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_no_raw_latex_and_figures_load(browser, site, name):
+    page = open_page(browser, site + name)
+    prose = page.evaluate(VISIBLE_PROSE)
+    raw = [m.group(0) for m in RAW_LATEX.finditer(prose)]
+    context = [prose[max(0, m.start() - 40):m.end() + 40] for m in RAW_LATEX.finditer(prose)][:3]
+    assert not raw, f"{name}: raw LaTeX in the visible text: {context}"
+    broken = page.evaluate("() => [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src)")
+    assert broken == [], f"{name}: images that did not load: {broken}"
+    page.close()
+
+
+@pytest.mark.parametrize("name", ["index.html", "chapters/04_gae.html"])
+def test_math_rendered_and_screenshot(browser, site, name):
+    page = open_page(browser, site + name)
+    rendered = page.evaluate("() => document.querySelectorAll('mjx-container').length")
+    assert rendered > (10 if "gae" in name else 0), f"{name}: MathJax rendered {rendered} formulas"
+    if "gae" in name:
+        assert page.evaluate("() => document.querySelectorAll('article img').length") >= 1, "the GAE figure"
+        # numbered equations: the labelled TD error and GAE equations carry numbers, and the text links to them
+        assert page.locator("span.eqno").count() >= 2
+        assert page.locator("a[href^='#equation-']").count() >= 1
+    page.screenshot(path=str(SHOTS / (name.replace("/", "_").removesuffix(".html") + ".png")))
+    page.close()
+
+
+def test_every_internal_link_resolves(browser, site):
+    """Every same-site link on every page answers 200, and every #anchor exists on its target page."""
+    ids: dict[str, set[str]] = {}
+    problems = []
+    page = browser.new_page()
+    for name in PAGES:
+        page.goto(site + name, wait_until="load")
+        links = page.evaluate("() => [...document.querySelectorAll('a[href]')].map(a => a.href)")
+        for link in links:
+            url, _, fragment = link.partition("#")
+            if not url.startswith(site):
+                continue  # external (the repository, Sphinx's own credit): not ours to check offline
+            if url not in ids:
+                response = page.request.get(url)
+                if response.status != 200:
+                    problems.append(f"{name}: {link} -> {response.status}")
+                    ids[url] = set()
+                    continue
+                ids[url] = set(re.findall(r'\bid="([^"]+)"', response.text()))
+            if fragment and urllib.parse.unquote(fragment) not in ids[url]:
+                problems.append(f"{name}: {link}: no element with id {fragment!r}")
+    page.close()
+    assert not problems, "\n".join(sorted(set(problems))[:20])
+
+
+def test_search_finds_the_gae_chapter(browser, site):
+    page = browser.new_page()
+    page.goto(site + "search.html?q=advantage", wait_until="load")
+    # Sphinx lists the hits one by one and ends with a summary line
+    page.wait_for_function("() => /Search finished/.test(document.querySelector('#search-results')?.innerText || '')",
+                           timeout=30_000)
+    hits = page.evaluate("() => [...document.querySelectorAll('#search-results ul.search li a')].map(a => a.getAttribute('href'))")
+    assert any("04_gae" in h for h in hits), hits
+    page.screenshot(path=str(SHOTS / "search_advantage.png"))
+    page.close()
+
+
+def test_previous_next_navigation(browser, site):
+    page = open_page(browser, site + "chapters/04_gae.html")
+    prev = page.locator("a.left-prev").get_attribute("href")
+    nxt = page.locator("a.right-next").get_attribute("href")
+    assert prev.endswith("03_kl.html") and nxt.endswith("05_ppo_losses.html"), (prev, nxt)
+    page.close()
