@@ -110,16 +110,18 @@ def test_no_raw_latex_and_figures_load(browser, site, name):
     page.close()
 
 
-@pytest.mark.parametrize("name", ["index.html", "chapters/04_gae.html"])
+@pytest.mark.parametrize("name", ["index.html", "chapters/04_gae.html", "chapters/05_ppo_losses.html"])
 def test_math_rendered_and_screenshot(browser, site, name):
     page = open_page(browser, site + name)
     rendered = page.evaluate("() => document.querySelectorAll('mjx-container').length")
-    assert rendered > (10 if "gae" in name else 0), f"{name}: MathJax rendered {rendered} formulas"
-    if "gae" in name:
-        assert page.evaluate("() => document.querySelectorAll('article img').length") >= 1, "the GAE figure"
-        # numbered equations: the labelled TD error and GAE equations carry numbers, and the text links to them
+    assert rendered > (10 if "chapters" in name else 0), f"{name}: MathJax rendered {rendered} formulas"
+    if "chapters" in name:
+        # numbered equations and a numbered figure, each linked from the text
         assert page.locator("span.eqno").count() >= 2
-        assert page.locator("a[href^='#equation-']").count() >= 1
+        assert page.locator("a.reference[href^='#equation-']").count() >= 2
+        caption = re.match(r"Figure \d+", page.locator("figcaption").first.inner_text())
+        assert caption, "a numbered figure caption"
+        assert page.locator("a.reference[href^='#fig-']").first.inner_text() == caption.group(0)
     page.screenshot(path=str(SHOTS / (name.replace("/", "_").removesuffix(".html") + ".png")))
     page.close()
 
