@@ -77,15 +77,22 @@ def execute(nb, timeout: int = 900):
     return time.perf_counter() - start
 
 
-def cmd_notebooks(names: list[str] | None) -> None:
+def execute_chapters(out_dir: pathlib.Path, names: list[str] | None = None) -> dict[str, float]:
+    """Execute chapters (all, or `names`) from chapters/ into `out_dir`; returns seconds per chapter."""
     import nbformat
 
+    timings = {}
     for md in chapter_paths(names):
         nb = read_chapter(md)
-        seconds = execute(nb)
-        out = NOTEBOOKS / f"{md.stem}.ipynb"
+        timings[md.stem] = round(execute(nb), 1)
+        out = out_dir / f"{md.stem}.ipynb"
         nbformat.write(nb, out)
-        print(f"{out.relative_to(ROOT)}: executed in {seconds:.1f} s")
+        print(f"{out.relative_to(ROOT)}: executed in {timings[md.stem]:.1f} s")
+    return timings
+
+
+def cmd_notebooks(names: list[str] | None) -> None:
+    execute_chapters(NOTEBOOKS, names)
 
 
 def install_mathjax(static: pathlib.Path) -> None:
@@ -125,21 +132,12 @@ def stage_site(notebooks: pathlib.Path) -> pathlib.Path:
 
 def execute_all() -> pathlib.Path:
     """Execute every chapter afresh into build/executed/ (stored outputs in notebooks/ stay untouched)."""
-    import nbformat
-
     out = BUILD / "executed"
     out.mkdir(parents=True, exist_ok=True)
-    timings, total = {}, 0.0
-    for md in chapter_paths():
-        nb = read_chapter(md)
-        seconds = execute(nb)
-        total += seconds
-        timings[md.stem] = round(seconds, 1)
-        nbformat.write(nb, out / f"{md.stem}.ipynb")
-        print(f"build/executed/{md.stem}.ipynb ({seconds:.1f} s)")
-    timings["total"] = round(total, 1)
+    timings = execute_chapters(out)
+    timings["total"] = round(sum(timings.values()), 1)
     (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
-    print(f"{len(timings) - 1} chapters executed in {total:.1f} s")
+    print(f"{len(timings) - 1} chapters executed in {timings['total']:.1f} s")
     return out
 
 

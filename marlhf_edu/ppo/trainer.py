@@ -190,7 +190,7 @@ class PPOTrainer:
 
     def update(self, r: Rollout) -> dict[str, float]:
         """`ppo_epochs` passes of minibatch PPO on one rollout; returns mean statistics."""
-        cfg, be = self.config, self.backend
+        cfg = self.config
         B = r.input_ids.shape[0]
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         acc, skipped, epochs_run, stop = defaultdict(list), 0, 0, False
