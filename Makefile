@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM=false
 export PYTHONWARNINGS=ignore
 export MPLBACKEND=module://matplotlib_inline.backend_inline
 
-.PHONY: install test test-portable book book-execute site-check notebooks lab lock clean
+.PHONY: install test test-portable book book-execute site-check notebooks assignments lab lock clean
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ site-check: $(STAMP)
 
 notebooks: $(STAMP)
 	$(PY) tools/book.py notebooks $(CHAPTERS)
+
+# The course (nbgrader): course/source/<chapter>/ from the stored notebooks, released into course/release/.
+# See course/README.md for collecting, autograding and feedback.
+assignments: $(STAMP)
+	$(PY) tools/book.py assignments $(CHAPTERS)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/

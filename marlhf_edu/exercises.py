@@ -3,12 +3,23 @@
 Each `check_…` runs the learner's function and the package's reference on the
 same random and edge-case inputs and reports, case by case, where behaviour
 differs. It never reads the learner's source: any correct implementation
-passes. The report is truthy when every case passes, so a classroom test can
-simply `assert check_gae_advantages(my_gae)`.
+passes. The report is truthy when every case passes; `report.require()` raises
+`AssertionError` with the case-by-case report, which is what the graded
+(nbgrader) test cells call. `seed=` draws other random cases for hidden tests.
+
+While the learner's function runs, the package's own implementation of what
+the exercise asks for is *withheld*: calling it (under any import path) raises
+`NotImplementedError`, so an exercise cannot be passed by calling the package.
+The references are computed outside that window. Each checker lists what it
+withholds in its `withholds` attribute (`tools/book.py` drops the chapter's
+`show()` of those functions from the student copy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,12 +44,87 @@ class CheckReport:
     def __bool__(self) -> bool:
         return not self.failures
 
+    def require(self) -> None:
+        """Print the PASS line, or raise `AssertionError` whose message is the case-by-case report."""
+        if self.failures:
+            raise AssertionError("\n" + repr(self))
+        print(repr(self))
+
+    def brief(self) -> str:
+        """One line: PASS, or FAIL with the labels of the failing cases (no numbers, so it reads the same on any CPU)."""
+        if not self.failures:
+            return f"PASS {self.name}: all {len(self.cases)} cases"
+        failed = [c for c in self.cases if any(f.startswith(c) for f in self.failures)]
+        return f"FAIL {self.name} on: " + "; ".join(failed)
+
     def __repr__(self) -> str:
         if not self.failures:
             return f"PASS {self.name}: all {len(self.cases)} cases agree with the reference"
         lines = [f"FAIL {self.name}: {len(self.failures)} of {len(self.cases)} cases disagree"]
+        raised = {f.partition(": raised ")[2] for f in self.failures}
+        if len(self.failures) > 1 and len(raised) == 1 and "" not in raised:  # one error everywhere: say it once
+            return lines[0] + f"\n  - every case raised {raised.pop()}"
         lines += [f"  - {f}" for f in self.failures]
         return "\n".join(lines)
+
+
+def _stub_code(qualname: str):
+    # The stub runs with the withheld function's globals, so it may only use builtins and its own constants.
+    message = (f"{qualname} is withheld while your exercise is checked: write it yourself "
+               "(torch and the package's other functions are allowed)")
+    namespace: dict = {}
+    exec(f"def stub(*args, **kwargs):\n    raise NotImplementedError({message!r})", namespace)
+    return namespace["stub"].__code__
+
+
+@contextlib.contextmanager
+def withheld(*functions: Callable):
+    """Within the block, every call to one of `functions` raises `NotImplementedError`.
+
+    The function objects' code is swapped, so the names imported anywhere
+    (`marlhf_edu.masked_mean`, `marlhf_edu.masked.masked_mean`, a module that
+    imported it) all lead to the stub; the original code is restored on exit.
+    """
+    targets = [inspect.unwrap(f) for f in functions]
+    saved = [f.__code__ for f in targets]
+    for f in targets:
+        if f.__code__.co_freevars:  # a closure's code cannot be swapped for one without free variables
+            raise TypeError(f"cannot withhold {f.__qualname__}: it is a closure")
+    try:
+        for f in targets:
+            f.__code__ = _stub_code(f"{f.__module__}.{f.__qualname__}")
+        yield
+    finally:
+        for f, code in zip(targets, saved):
+            f.__code__ = code
+
+
+def _withholding(fn: Callable, functions: tuple[Callable, ...]) -> Callable:
+    """`fn`, called with the package's `functions` withheld."""
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        with withheld(*functions):
+            return fn(*args, **kwargs)
+    return guarded
+
+
+def _withholds(*names: str):
+    """Decorator: the checker withholds these package functions (dotted paths) while the learner's code runs."""
+    def mark(check):
+        check.withholds = names
+        return check
+    return mark
+
+
+def _resolve(path: str) -> Callable:
+    import importlib
+
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _learner(fn: Callable, check: Callable) -> Callable:
+    return _withholding(fn, tuple(_resolve(p) for p in check.withholds))
 
 
 def _first_tensor(out):
@@ -82,13 +168,25 @@ def _padded_mask(gen: torch.Generator, B: int, T: int, left: bool = False) -> to
     return mask.flip(1) if left else mask
 
 
-def check_masked_mean(fn: Callable) -> CheckReport:
-    """Check `fn(values, mask) -> scalar` against `masked_mean`. Chapter 00's exercise."""
-    gen = torch.Generator().manual_seed(0)
+def _padded_mask(gen: torch.Generator, B: int, T: int, left: bool = False) -> torch.Tensor:
+    lengths = torch.randint(1, T + 1, (B,), generator=gen)
+    lengths[0] = T
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return mask.flip(1) if left else mask
+
+
+@_withholds("marlhf_edu.masked.masked_mean")
+def check_masked_mean(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(values, mask) -> scalar` against `masked_mean`. Chapter 00 shows this check on a classic mistake."""
+    fn = _learner(fn, check_masked_mean)
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(4, 7, generator=gen)
 
     def case(label, values, mask, atol=1e-6):
-        return label, lambda: _compare(label, _first_tensor(fn(values.clone(), mask.clone())), masked_mean(values, mask), atol, 1e-5)
+        def run():
+            expected = masked_mean(values, mask)
+            return _compare(label, _first_tensor(fn(values.clone(), mask.clone())), expected, atol, 1e-5)
+        return label, run
 
     right = _padded_mask(gen, 4, 7)
     garbage = torch.where(right, x, torch.full_like(x, 1e6))
@@ -103,16 +201,50 @@ def check_masked_mean(fn: Callable) -> CheckReport:
     ])
 
 
-def check_pairwise_reward_loss(fn: Callable) -> CheckReport:
+@_withholds("marlhf_edu.masked.masked_mean")
+def check_sequence_means(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(values, mask) -> (B,)`: each row's mean over its own valid tokens. Chapter 00's exercise.
+
+    The reference is `masked_mean(values, mask, dim=1)`; rows of different
+    lengths weigh their tokens differently, which a batch-wide mean hides.
+    """
+    fn = _learner(fn, check_sequence_means)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 8, generator=gen)
+
+    def case(label, values, mask):
+        def run():
+            expected = masked_mean(values, mask, dim=1)
+            return _compare(label, _first_tensor(fn(values.clone(), mask.clone())), expected, 1e-6, 1e-5)
+        return label, run
+
+    right, left = _padded_mask(gen, 5, 8), _padded_mask(gen, 5, 8, left=True)
+    one_each = torch.zeros(5, 8, dtype=torch.bool)
+    one_each[torch.arange(5), torch.randint(0, 8, (5,), generator=gen)] = True
+    return _run("check_sequence_means", [
+        case("all tokens valid", x, torch.ones(5, 8)),
+        case("right padding (float mask)", x, right.float()),
+        case("left padding (bool mask)", x, left),
+        case("padding holds 1e6", torch.where(right, x, 1e6), right.float()),
+        case("padding holds NaN", torch.where(left, x, float("nan")), left.long()),
+        case("one valid token per row", x, one_each),
+        case("a single row", x[:1], right[:1].float()),
+    ])
+
+
+@_withholds("marlhf_edu.reward.pairwise_reward_loss")
+def check_pairwise_reward_loss(fn: Callable, seed: int = 1) -> CheckReport:
     """Check `fn(chosen, rejected, margin=None) -> scalar`. Chapter 01's exercise."""
-    gen = torch.Generator().manual_seed(1)
+    fn = _learner(fn, check_pairwise_reward_loss)
+    gen = torch.Generator().manual_seed(seed)
     c, r = torch.randn(16, generator=gen), torch.randn(16, generator=gen)
     margin = torch.randint(0, 4, (16,), generator=gen).float()
 
     def case(label, chosen, rejected, m=None):
         def run():
+            expected = pairwise_reward_loss(chosen, rejected, m)
             got = fn(chosen, rejected) if m is None else fn(chosen, rejected, m)
-            return _compare(label, _first_tensor(got), pairwise_reward_loss(chosen, rejected, m), 1e-5, 1e-5)
+            return _compare(label, _first_tensor(got), expected, 1e-5, 1e-5)
         return label, run
 
     return _run("check_pairwise_reward_loss", [
@@ -124,14 +256,19 @@ def check_pairwise_reward_loss(fn: Callable) -> CheckReport:
     ])
 
 
-def check_logprobs_from_logits(fn: Callable) -> CheckReport:
-    """Check `fn(logits, labels) -> (B, T)` log-probs. Chapter 02's exercise."""
-    gen = torch.Generator().manual_seed(2)
+@_withholds("marlhf_edu.logprobs.logprobs_from_logits", "marlhf_edu.ppo.backends.response_logprobs")
+def check_logprobs_from_logits(fn: Callable, seed: int = 2) -> CheckReport:
+    """Check `fn(logits, labels) -> (B, T)` log-probs (the label's log-softmax)."""
+    fn = _learner(fn, check_logprobs_from_logits)
+    gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(3, 5, 11, generator=gen)
     labels = torch.randint(0, 11, (3, 5), generator=gen)
 
     def case(label, z, y, atol=1e-5):
-        return label, lambda: _compare(label, fn(z.clone(), y.clone()), logprobs_from_logits(z, y), atol, 1e-5)
+        def run():
+            expected = logprobs_from_logits(z, y)
+            return _compare(label, fn(z.clone(), y.clone()), expected, atol, 1e-5)
+        return label, run
 
     return _run("check_logprobs_from_logits", [
         case("random logits", logits, labels),
@@ -141,20 +278,52 @@ def check_logprobs_from_logits(fn: Callable) -> CheckReport:
     ])
 
 
-def check_kl_penalty(fn: Callable, kind: str = "k3") -> CheckReport:
+@_withholds("marlhf_edu.logprobs.logprobs_from_logits", "marlhf_edu.ppo.backends.response_logprobs")
+def check_tempered_logprobs(fn: Callable, seed: int = 2) -> CheckReport:
+    r"""Check `fn(logits, labels, temperature) -> (B, T)`: log-probs under the sampling distribution.
+
+    .. math:: \log\pi_\tau(y_t) = \log\operatorname{softmax}(z_t / \tau)_{y_t}
+
+    The reference is computed in float64 from the same logits. Chapter 02's exercise.
+    """
+    fn = _learner(fn, check_tempered_logprobs)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5, 11, generator=gen) * 3
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+
+    def case(label, z, y, tau, atol=1e-5):
+        def run():
+            expected = logprobs_from_logits(z.double() / tau, y)
+            return _compare(label, fn(z.clone(), y.clone(), tau), expected, atol, 1e-5)
+        return label, run
+
+    return _run("check_tempered_logprobs", [
+        case("temperature 1", logits, labels, 1.0),
+        case("temperature 0.7 (sharper)", logits, labels, 0.7),
+        case("temperature 2 (flatter)", logits, labels, 2.0),
+        case("large logits at temperature 0.5", logits * 300.0, labels, 0.5, atol=1e-2),
+        case("one-token batch", logits[:1, :1], labels[:1, :1], 0.9),
+        case("bf16 logits at temperature 0.8", logits.bfloat16(), labels, 0.8, atol=5e-2),
+    ])
+
+
+@_withholds("marlhf_edu.kl.kl_penalty", "marlhf_edu.kl._k3")
+def check_kl_penalty(fn: Callable, kind: str = "k3", seed: int = 3) -> CheckReport:
     """Check a learner's per-token KL estimator `fn(logprobs, ref_logprobs)` of one `kind`.
 
     Chapter 03's exercise uses k3. Near d = 0 the tolerance is absolute 1e-8,
     which a naive fp32 `exp(d) - 1 - d` misses.
     """
-    gen = torch.Generator().manual_seed(3)
+    fn = _learner(fn, check_kl_penalty)
+    gen = torch.Generator().manual_seed(seed)
     logp = -torch.rand(4, 6, generator=gen) * 5
     ref = logp + torch.randn(4, 6, generator=gen)
 
     def case(label, a, b, atol=1e-6):
         def run():
+            expected = kl_penalty(a, b, kind)
             got = fn(a, b)
-            problem = _compare(label, got, kl_penalty(a, b, kind), atol, 1e-4)
+            problem = _compare(label, got, expected, atol, 1e-4)
             if problem is None and kind == "k3" and bool((got < 0).any()):
                 problem = f"{label}: k3 must never be negative, got {got.min().item():.3g}"
             return problem
@@ -169,21 +338,28 @@ def check_kl_penalty(fn: Callable, kind: str = "k3") -> CheckReport:
     ])
 
 
-def check_gae_advantages(fn: Callable) -> CheckReport:
-    """Check `fn(values, rewards, mask, gamma, lam) -> (advantages, returns)`. Chapter 04's exercise."""
-    gen = torch.Generator().manual_seed(4)
+def _gae_case(fn, label, values, rewards, mask, gamma, lam, expected_fn, extra=()):
+    def run():
+        adv, ret = expected_fn()
+        got = fn(values.clone(), rewards.clone(), mask.clone(), *extra, gamma, lam)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            return f"{label}: expected a tuple (advantages, returns)"
+        return _compare(f"{label} (advantages)", got[0], adv, 1e-5, 1e-5) or \
+            _compare(f"{label} (returns)", got[1], ret, 1e-5, 1e-5)
+    return label, run
+
+
+@_withholds("marlhf_edu.gae.gae_advantages", "marlhf_edu.gae.gae_advantages_reference")
+def check_gae_advantages(fn: Callable, seed: int = 4) -> CheckReport:
+    """Check `fn(values, rewards, mask, gamma, lam) -> (advantages, returns)` against `gae_advantages`."""
+    fn = _learner(fn, check_gae_advantages)
+    gen = torch.Generator().manual_seed(seed)
     v, r = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen)
     right = _padded_mask(gen, 3, 8)
 
     def case(label, values, rewards, mask, gamma=1.0, lam=0.95):
-        def run():
-            got = fn(values.clone(), rewards.clone(), mask.clone(), gamma, lam)
-            adv, ret = gae_advantages(values, rewards, mask, gamma, lam)
-            if not isinstance(got, (tuple, list)) or len(got) != 2:
-                return f"{label}: expected a tuple (advantages, returns)"
-            return _compare(f"{label} (advantages)", got[0], adv, 1e-5, 1e-5) or \
-                _compare(f"{label} (returns)", got[1], ret, 1e-5, 1e-5)
-        return label, run
+        return _gae_case(fn, label, values, rewards, mask, gamma, lam,
+                         lambda: gae_advantages(values, rewards, mask, gamma, lam))
 
     return _run("check_gae_advantages", [
         case("no padding", v, r, torch.ones(3, 8)),
@@ -195,33 +371,89 @@ def check_gae_advantages(fn: Callable) -> CheckReport:
     ])
 
 
-def check_policy_loss(fn: Callable) -> CheckReport:
+def gae_with_bootstrap_reference(values, rewards, mask, bootstrap, gamma=1.0, lam=0.95):
+    r"""GAE where a truncated row continues past its last real token with value `bootstrap` (B,).
+
+    .. math:: \delta_{t_\text{last}} = r_{t_\text{last}} + \gamma\,b - V_{t_\text{last}}
+
+    which is plain GAE with γ·b added to the last real reward. `bootstrap` is 0
+    for rows that ended (EOS). The checker's reference for chapter 04's exercise.
+    """
+    from marlhf_edu.masked import last_valid_index
+
+    m = mask.bool()
+    extra = torch.zeros_like(rewards)
+    extra[torch.arange(rewards.shape[0]), last_valid_index(m)] = gamma * bootstrap.to(rewards.dtype)
+    return gae_advantages(values, torch.where(m, rewards, 0.0) + extra, mask, gamma, lam)
+
+
+@_withholds("marlhf_edu.gae.gae_advantages", "marlhf_edu.gae.gae_advantages_reference")
+def check_gae_bootstrap(fn: Callable, seed: int = 4) -> CheckReport:
+    """Check `fn(values, rewards, mask, bootstrap, gamma, lam) -> (advantages, returns)`. Chapter 04's exercise.
+
+    `bootstrap` (B,) is the value of the state after the last real token for
+    responses cut off by the length limit, 0 for responses that ended with EOS.
+    """
+    fn = _learner(fn, check_gae_bootstrap)
+    gen = torch.Generator().manual_seed(seed)
+    v, r = torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+    right = _padded_mask(gen, 4, 8)
+    boot = torch.randn(4, generator=gen)
+    truncated = torch.tensor([True, False, True, False])
+
+    def case(label, values, rewards, mask, b, gamma=1.0, lam=0.95):
+        return _gae_case(fn, label, values, rewards, mask, gamma, lam,
+                         lambda: gae_with_bootstrap_reference(values, rewards, mask, b, gamma, lam), extra=(b.clone(),))
+
+    one = torch.zeros(4, 8).index_fill_(1, torch.tensor([0]), 1.0)
+    return _run("check_gae_bootstrap", [
+        case("every row ended (bootstrap 0): plain GAE", v, r, right.float(), torch.zeros(4)),
+        case("every row truncated, no padding", v, r, torch.ones(4, 8), boot),
+        case("some rows truncated, right padding", v, r, right.float(), torch.where(truncated, boot, 0.0)),
+        case("padding holds garbage", torch.where(right, v, 1e3), torch.where(right, r, -1e3), right.float(), boot),
+        case("gamma = 0.9, lambda = 0 (TD residual)", v, r, right.float(), boot, 0.9, 0.0),
+        case("gamma = 0.9, lambda = 0.8", v, r, right.float(), boot, 0.9, 0.8),
+        case("one real token per row", v, r, one, boot, 0.95, 0.9),
+    ])
+
+
+def _loss_and_grad_case(fn, label, make_inputs, reference, wrt: int, atol_grad: float = 1e-6):
+    """Compare a learner's loss and its gradient with respect to input `wrt` with the reference's."""
+    def run():
+        ref_inputs = make_inputs()
+        ref_inputs[wrt].requires_grad_(True)
+        expected = _first_tensor(reference(*ref_inputs))
+        expected.backward()
+        inputs = make_inputs()
+        inputs[wrt].requires_grad_(True)
+        got = _first_tensor(fn(*inputs))
+        problem = _compare(f"{label} (loss)", got, expected, 1e-5, 1e-5)
+        if problem:
+            return problem
+        got.backward()
+        if inputs[wrt].grad is None:
+            return f"{label}: the loss does not depend on its input {wrt} (no gradient)"
+        return _compare(f"{label} (gradient)", inputs[wrt].grad, ref_inputs[wrt].grad, atol_grad, 1e-5)
+    return label, run
+
+
+@_withholds("marlhf_edu.ppo_objective.policy_loss", "marlhf_edu.ppo_objective.ppo_loss")
+def check_policy_loss(fn: Callable, seed: int = 5) -> CheckReport:
     """Check `fn(logprobs, old_logprobs, advantages, mask, cliprange) -> loss` (or `(loss, stats)`).
 
     Compares the loss value and its gradient with respect to `logprobs`, so a
     min/max mix-up that happens to give the right value still fails.
-    Chapter 05's exercise.
+    Chapter 05's first exercise.
     """
-    gen = torch.Generator().manual_seed(5)
+    fn = _learner(fn, check_policy_loss)
+    gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(4, 6, generator=gen) * 3
     adv = torch.randn(4, 6, generator=gen)
     mask = _padded_mask(gen, 4, 6).float()
 
     def case(label, shift):
-        def run():
-            new = (old + shift).clone().requires_grad_(True)
-            ref_new = (old + shift).clone().requires_grad_(True)
-            got = _first_tensor(fn(new, old.clone(), adv.clone(), mask.clone(), 0.2))
-            expected, _ = policy_loss(ref_new, old, adv, mask, 0.2)
-            problem = _compare(f"{label} (loss)", got, expected, 1e-5, 1e-5)
-            if problem:
-                return problem
-            got.backward()
-            expected.backward()
-            if new.grad is None:
-                return f"{label}: the loss does not depend on logprobs (no gradient)"
-            return _compare(f"{label} (gradient)", new.grad, ref_new.grad, 1e-6, 1e-5)
-        return label, run
+        return _loss_and_grad_case(fn, label, lambda: [(old + shift).clone(), old.clone(), adv.clone(), mask.clone(), 0.2],
+                                   policy_loss, wrt=0)
 
     return _run("check_policy_loss", [
         case("ratio exactly 1", torch.zeros(4, 6)),
@@ -231,29 +463,66 @@ def check_policy_loss(fn: Callable) -> CheckReport:
     ])
 
 
-def check_pku_preference(fn: Callable) -> CheckReport:
+@_withholds("marlhf_edu.ppo_objective.value_loss", "marlhf_edu.ppo_objective.ppo_loss")
+def check_value_loss(fn: Callable, seed: int = 6) -> CheckReport:
+    r"""Check `fn(values, old_values, returns, mask, cliprange_value) -> loss` (or `(loss, stats)`).
+
+    .. math:: L_V = \tfrac12\operatorname{mean}_m \max\big((V - R)^2, (\operatorname{clip}(V, V^{old} \pm \epsilon_v) - R)^2\big)
+
+    Value and gradient with respect to `values` are compared, on moves inside
+    and outside the clip range, towards and away from the returns. Chapter 05's second exercise.
+    """
+    from marlhf_edu.ppo_objective import value_loss
+
+    fn = _learner(fn, check_value_loss)
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(4, 6, generator=gen)
+    ret = old + torch.randn(4, 6, generator=gen)
+    mask = _padded_mask(gen, 4, 6).float()
+
+    def case(label, new, eps=0.2):
+        return _loss_and_grad_case(fn, label, lambda: [new.clone(), old.clone(), ret.clone(), mask.clone(), eps],
+                                   value_loss, wrt=0)
+
+    towards = old + 0.5 * (ret - old)
+    return _run("check_value_loss", [
+        case("values equal old values", old.clone()),
+        case("small moves (inside the clip range)", old + 0.05 * torch.randn(4, 6, generator=gen)),
+        case("large moves towards the returns (clip active)", towards),
+        case("large moves away from the returns", old - 0.8 * (ret - old)),
+        case("garbage in padding", torch.where(mask.bool(), towards, 1e3)),
+        case("cliprange 0.5", towards, 0.5),
+    ])
+
+
+@_withholds("marlhf_edu.data.formats.pku_saferlhf_to_preference")
+def check_pku_preference(fn: Callable, seed: int = 0) -> CheckReport:
     """Check `fn(row) -> (chosen, rejected, margin)` on PKU-SafeRLHF rows. Chapter 06's exercise.
 
     Covers the four safety cases (only 0 safe, only 1 safe, both safe, both
     unsafe) with `better_response_id` and `safer_response_id` pointing both ways,
     against `pku_saferlhf_to_preference` (responses compared as raw text).
+    `seed` changes the response texts.
     """
     from marlhf_edu.data.formats import pku_saferlhf_to_preference
     from marlhf_edu.data.template import format_completion
 
+    fn = _learner(fn, check_pku_preference)
+    words = ["zero", "one"] if seed == 0 else [f"reply {seed}-{i}" for i in (0, 1)]
+
     def case(safe0, safe1, better, safer):
-        row = {"prompt": "q", "response_0": "answer zero", "response_1": "answer one",
+        row = {"prompt": "q", "response_0": f"answer {words[0]}", "response_1": f"answer {words[1]}",
                "is_response_0_safe": safe0, "is_response_1_safe": safe1,
                "better_response_id": better, "safer_response_id": safer}
         label = f"safe=({safe0}, {safe1}), better={better}, safer={safer}"
 
         def run():
-            got = fn(dict(row))
-            if not isinstance(got, (tuple, list)) or len(got) != 3:
-                return f"{label}: expected a tuple (chosen, rejected, margin)"
             ref = pku_saferlhf_to_preference(row)
             names = {format_completion(row[k]): row[k] for k in ("response_0", "response_1")}
             want = (names[ref["chosen"]], names[ref["rejected"]], ref["margin"])
+            got = fn(dict(row))
+            if not isinstance(got, (tuple, list)) or len(got) != 3:
+                return f"{label}: expected a tuple (chosen, rejected, margin)"
             if (got[0], got[1]) != want[:2]:
                 return f"{label}: chose {got[0]!r} over {got[1]!r}, expected {want[0]!r} over {want[1]!r}"
             if float(got[2]) != want[2]:
@@ -265,7 +534,8 @@ def check_pku_preference(fn: Callable) -> CheckReport:
                                                                            (False, False)) for b, s in ((0, 1), (1, 0))])
 
 
-def check_position_ids(fn: Callable) -> CheckReport:
+@_withholds("marlhf_edu.scoring.position_ids_from_mask")
+def check_position_ids(fn: Callable, seed: int = 7) -> CheckReport:
     """Check `fn(attention_mask) -> position_ids` (B, T): real tokens numbered 0, 1, … whatever the padding.
 
     Only real tokens are compared (what a model puts at padded positions is
@@ -273,15 +543,17 @@ def check_position_ids(fn: Callable) -> CheckReport:
     """
     from marlhf_edu.scoring import position_ids_from_mask
 
-    gen = torch.Generator().manual_seed(7)
+    fn = _learner(fn, check_position_ids)
+    gen = torch.Generator().manual_seed(seed)
 
     def case(label, mask):
         def run():
+            expected = position_ids_from_mask(mask)
             got = fn(mask.clone())
             if not isinstance(got, torch.Tensor) or got.shape != mask.shape:
                 return f"{label}: expected a tensor of shape {tuple(mask.shape)}"
             real = mask.bool()
-            return _compare(label + " (real tokens)", got[real].double(), position_ids_from_mask(mask)[real].double(), 0, 0)
+            return _compare(label + " (real tokens)", got[real].double(), expected[real].double(), 0, 0)
         return label, run
 
     return _run("check_position_ids", [
@@ -292,24 +564,27 @@ def check_position_ids(fn: Callable) -> CheckReport:
     ])
 
 
-def check_response_mask(fn: Callable) -> CheckReport:
+@_withholds("marlhf_edu.ppo.trainer.response_mask_from_ids")
+def check_response_mask(fn: Callable, seed: int = 8) -> CheckReport:
     """Check `fn(response_ids, eos_token_id) -> mask` (B, R): tokens up to and including the first EOS.
 
     Chapter 08's exercise; compared with `marlhf_edu.ppo.response_mask_from_ids`.
     """
     from marlhf_edu.ppo.trainer import response_mask_from_ids
 
+    fn = _learner(fn, check_response_mask)
     eos, pad = 2, 3
 
     def case(label, ids):
         def run():
+            expected = response_mask_from_ids(ids, eos)
             got = fn(ids.clone(), eos)
             if not isinstance(got, torch.Tensor) or got.shape != ids.shape:
                 return f"{label}: expected a tensor of shape {tuple(ids.shape)}"
-            return _compare(label, got.double(), response_mask_from_ids(ids, eos).double(), 0, 0)
+            return _compare(label, got.double(), expected.double(), 0, 0)
         return label, run
 
-    gen = torch.Generator().manual_seed(8)
+    gen = torch.Generator().manual_seed(seed)
     random_ids = torch.randint(0, 12, (6, 9), generator=gen)
     return _run("check_response_mask", [
         case("EOS then padding", torch.tensor([[5, 6, eos, pad, pad], [5, 6, 7, eos, pad]])),
@@ -321,26 +596,30 @@ def check_response_mask(fn: Callable) -> CheckReport:
     ])
 
 
-def check_nf4_bytes(fn: Callable) -> CheckReport:
+@_withholds("marlhf_edu.memory.plan.linear_weight_bytes")
+def check_nf4_bytes(fn: Callable, seed: int = 0) -> CheckReport:
     """Check `fn(d_in, d_out, double_quant) -> int`: the bytes bitsandbytes holds for one NF4 linear weight.
 
     Chapter 09's exercise; compared with `marlhf_edu.memory.plan.linear_weight_bytes`
     (blocks of 64, the 16-entry fp32 NF4 code table; with double quantization the
     absmax as bytes, an fp32 offset, fp32 scales per 256 absmax values and a
     256-entry fp32 code table), which itself matches measured storages exactly.
+    A non-zero `seed` adds three random shapes.
     """
     from marlhf_edu.memory.plan import MemorySettings, linear_weight_bytes
 
+    fn = _learner(fn, check_nf4_bytes)
+
     def case(label, d_in, d_out, double_quant):
         def run():
-            got = fn(d_in, d_out, double_quant)
             expected = linear_weight_bytes(d_in, d_out, MemorySettings(load_in_4bit=True, double_quant=double_quant))
+            got = fn(d_in, d_out, double_quant)
             if not isinstance(got, int) or got != expected:
                 return f"{label}: got {got!r}, expected {expected} bytes"
             return None
         return label, run
 
-    return _run("check_nf4_bytes", [
+    cases = [
         case("tiny q_proj 192×192, plain", 192, 192, False),
         case("tiny q_proj 192×192, double quant", 192, 192, True),
         case("Llama-2-7B up_proj 4096×11008, plain", 4096, 11008, False),
@@ -348,4 +627,10 @@ def check_nf4_bytes(fn: Callable) -> CheckReport:
         case("a partial last block (10×10), double quant", 10, 10, True),
         case("an odd number of weights (7×9): one byte holds the last nibble", 7, 9, False),
         case("more than 256 blocks but not a multiple (4096×5), double quant", 4096, 5, True),
-    ])
+    ]
+    if seed:
+        gen = torch.Generator().manual_seed(seed)
+        for i in range(3):
+            d_in, d_out = (int(d) for d in torch.randint(1, 5000, (2,), generator=gen))
+            cases.append(case(f"random shape {d_in}×{d_out}, {'double quant' if i % 2 else 'plain'}", d_in, d_out, bool(i % 2)))
+    return _run("check_nf4_bytes", cases)

@@ -1,19 +1,121 @@
 """The exercise checkers must pass correct solutions and fail the classic wrong ones."""
 
+import inspect
+import types
+
+import pytest
 import torch
 
 from marlhf_edu import exercises as ex
 from marlhf_edu import gae_advantages_reference, kl_penalty, logprobs_from_logits, masked_mean, pairwise_reward_loss, policy_loss
+from marlhf_edu.ppo_objective import value_loss
+
+
+def private_copy(f):
+    """A copy of a package function that withholding does not reach (what a correct solution looks like)."""
+    f = inspect.unwrap(f)
+    return types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
 
 
 def test_reference_implementations_pass():
-    assert ex.check_masked_mean(masked_mean)
-    assert ex.check_pairwise_reward_loss(pairwise_reward_loss)
-    assert ex.check_logprobs_from_logits(logprobs_from_logits)
-    assert ex.check_kl_penalty(lambda a, b: kl_penalty(a, b, "k3"), "k3")
-    assert ex.check_kl_penalty(lambda a, b: kl_penalty(a, b, "k1"), "k1")
-    assert ex.check_gae_advantages(gae_advantages_reference)
-    assert ex.check_policy_loss(policy_loss)
+    assert ex.check_masked_mean(private_copy(masked_mean))
+    assert ex.check_sequence_means(lambda v, m, _f=private_copy(masked_mean): _f(v, m, dim=1))
+    assert ex.check_pairwise_reward_loss(private_copy(pairwise_reward_loss))
+    assert ex.check_logprobs_from_logits(private_copy(logprobs_from_logits))
+    assert ex.check_tempered_logprobs(lambda z, y, t, _f=private_copy(logprobs_from_logits): _f(z.double() / t, y))
+    kl = private_copy(kl_penalty)  # its k3 branch calls the withheld helper _k3, so only k1 passes this way
+    assert ex.check_kl_penalty(lambda a, b: kl(a, b, "k1"), "k1")
+    assert not ex.check_kl_penalty(lambda a, b: kl(a, b, "k3"), "k3")
+    assert ex.check_gae_advantages(private_copy(gae_advantages_reference))
+    assert ex.check_policy_loss(private_copy(policy_loss))
+    assert ex.check_value_loss(private_copy(value_loss))
+
+
+CHECKERS = [name for name in dir(ex) if name.startswith("check_")]
+
+
+@pytest.mark.parametrize("name", CHECKERS)
+def test_calling_the_package_does_not_pass(name):
+    """Each checker withholds the package's answer while the learner's function runs, under any import path."""
+    check = getattr(ex, name)
+    assert check.withholds, name
+    for path in check.withholds:
+        target = ex._resolve(path)
+
+        def calls_package(*args, _t=target):
+            return _t(*args)
+        report = check(calls_package)
+        assert not report and len(report.failures) == len(report.cases), name
+        assert "is withheld while your exercise is checked" in repr(report), name
+        assert inspect.unwrap(target).__code__.co_name != "stub", name  # restored after the check
+
+
+def test_withheld_reaches_every_import_path_and_restores():
+    import marlhf_edu
+    import marlhf_edu.masked
+    import marlhf_edu.ppo_objective
+
+    with ex.withheld(masked_mean):
+        for f in (marlhf_edu.masked_mean, marlhf_edu.masked.masked_mean, marlhf_edu.ppo_objective.masked_mean):
+            with pytest.raises(NotImplementedError, match="masked_mean is withheld"):
+                f(torch.ones(2), torch.ones(2))
+    assert marlhf_edu.masked.masked_mean(torch.ones(2), torch.ones(2)) == 1.0
+    with pytest.raises(ZeroDivisionError):
+        with ex.withheld(masked_mean):
+            1 / 0
+    assert masked_mean(torch.ones(2), torch.ones(2)) == 1.0  # restored after an error too
+
+
+def test_require_raises_with_the_report_and_prints_a_pass(capsys):
+    report = ex.check_position_ids(lambda m: m.long().cumsum(-1))
+    with pytest.raises(AssertionError) as err:
+        report.require()
+    assert "FAIL check_position_ids" in str(err.value) and "right padding" in str(err.value)
+    ex.check_position_ids(lambda m: (m.long().cumsum(-1) - 1).clamp_min(0)).require()
+    assert capsys.readouterr().out.startswith("PASS check_position_ids")
+
+
+def test_seeds_draw_other_cases():
+    seen, mean = [], private_copy(masked_mean)
+
+    def records(v, m):
+        seen.append(v.clone())
+        return mean(v, m, dim=1)
+    assert ex.check_sequence_means(records) and ex.check_sequence_means(records, seed=11)
+    half = len(seen) // 2
+    assert not torch.equal(seen[0], seen[half])  # another seed, other values
+    assert len(ex.check_nf4_bytes(lambda *a: 0, seed=5).cases) == len(ex.check_nf4_bytes(lambda *a: 0).cases) + 3
+
+
+def test_new_exercise_checkers_fail_classic_mistakes():
+    mean = private_copy(masked_mean)
+    assert not ex.check_sequence_means(lambda v, m: (v * m).sum(1) / m.sum(1))  # NaN padding leaks
+    assert not ex.check_sequence_means(lambda v, m: mean(v, m).expand(v.shape[0]))  # batch mean, not per row
+    assert not ex.check_sequence_means(lambda v, m: torch.where(m.bool(), v, 0.0).sum(1) / v.shape[1])  # divides by T
+    lp = private_copy(logprobs_from_logits)
+    assert not ex.check_tempered_logprobs(lambda z, y, t: lp(z, y))  # temperature forgotten
+    assert not ex.check_tempered_logprobs(lambda z, y, t: lp(z, y) / t)  # divides the log-probs, not the logits
+    gae = private_copy(gae_advantages_reference)
+    assert not ex.check_gae_bootstrap(lambda v, r, m, b, g, l: gae(v, r, m, g, l))  # bootstrap ignored
+    assert ex.check_gae_bootstrap(lambda v, r, m, b, g, l: gae(v, _last_plus(r, m, g * b), m, g, l))
+    assert not ex.check_gae_bootstrap(lambda v, r, m, b, g, l: gae(v, _last_plus(r, m, b), m, g, l))  # b not discounted
+    assert not ex.check_gae_bootstrap(  # bootstrap added to the returns only
+        lambda v, r, m, b, g, l: (lambda a, ret: (a, _last_plus(ret, m, g * b)))(*gae(v, r, m, g, l)))
+    vl = private_copy(value_loss)
+    assert not ex.check_value_loss(lambda v, o, r, m, e: 0.5 * mean((v - r) ** 2, m))  # no clipping
+    assert not ex.check_value_loss(  # min instead of max
+        lambda v, o, r, m, e: 0.5 * mean(torch.minimum((v - r) ** 2, (o + (v - o).clamp(-e, e) - r) ** 2), m))
+    assert not ex.check_value_loss(  # clipped around the returns instead of the old values
+        lambda v, o, r, m, e: 0.5 * mean(torch.maximum((v - r) ** 2, (r + (v - r).clamp(-e, e) - r) ** 2), m))
+    assert ex.check_value_loss(vl)
+
+
+def _last_plus(rewards, mask, bootstrap):
+    from marlhf_edu.masked import last_valid_index
+
+    out = torch.where(mask.bool(), rewards, 0.0).clone()
+    out[torch.arange(out.shape[0]), last_valid_index(mask.bool())] += bootstrap
+    return out
 
 
 def test_independent_solutions_pass_and_near_misses_fail():
@@ -81,13 +183,13 @@ def test_classic_mistakes_fail():
     assert not ex.check_kl_penalty(lambda l, r: torch.exp(r - l) - 1 - (r - l), "k3")
     assert not ex.check_kl_penalty(lambda l, r: l - r, "k3")
 
-    def gae_ignoring_mask(v, r, m, g, l):
-        return gae_advantages_reference(v, r, torch.ones_like(m), g, l)
+    def gae_ignoring_mask(v, r, m, g, l, _gae=private_copy(gae_advantages_reference)):
+        return _gae(v, r, torch.ones_like(m), g, l)
     assert not ex.check_gae_advantages(gae_ignoring_mask)
 
-    def min_instead_of_max(lp, old, a, m, c):
+    def min_instead_of_max(lp, old, a, m, c, _mean=private_copy(masked_mean)):
         ratio = torch.exp(lp - old)
-        return masked_mean(torch.minimum(-a * ratio, -a * ratio.clamp(1 - c, 1 + c)), m)
+        return _mean(torch.minimum(-a * ratio, -a * ratio.clamp(1 - c, 1 + c)), m)
     assert not ex.check_policy_loss(min_instead_of_max)
 
 
@@ -119,7 +221,7 @@ def test_data_chapter_checkers():
                                                   r[f"response_{1 - r['better_response_id']}"], 1.0))
     assert not ex.check_pku_preference(lambda r: (r[f"response_{r['safer_response_id']}"],
                                                   r[f"response_{1 - r['safer_response_id']}"], 3.0))
-    assert ex.check_position_ids(position_ids_from_mask)
+    assert ex.check_position_ids(private_copy(position_ids_from_mask))
     assert not ex.check_position_ids(lambda m: torch.arange(m.shape[1]).expand_as(m))
     assert not ex.check_position_ids(lambda m: m.long().cumsum(-1))  # off by one
 
@@ -127,7 +229,7 @@ def test_data_chapter_checkers():
 def test_ppo_chapter_checker():
     from marlhf_edu.ppo import response_mask_from_ids
 
-    assert ex.check_response_mask(response_mask_from_ids)
+    assert ex.check_response_mask(private_copy(response_mask_from_ids))
     assert not ex.check_response_mask(lambda ids, eos: ids != 3)  # "not padding" misses tokens after the first EOS
     assert not ex.check_response_mask(lambda ids, eos: torch.cumsum(ids == eos, 1) == 0)  # drops the EOS itself
 
@@ -137,7 +239,9 @@ def test_check_nf4_bytes_passes_the_reference_and_fails_classic_mistakes():
 
     from marlhf_edu.memory.plan import MemorySettings, linear_weight_bytes
 
-    assert ex.check_nf4_bytes(lambda a, b, dq: linear_weight_bytes(a, b, MemorySettings(load_in_4bit=True, double_quant=dq)))
+    lwb = private_copy(linear_weight_bytes)
+    assert ex.check_nf4_bytes(lambda a, b, dq: lwb(a, b, MemorySettings(load_in_4bit=True, double_quant=dq)))
+    assert ex.check_nf4_bytes(lambda a, b, dq: lwb(a, b, MemorySettings(load_in_4bit=True, double_quant=dq)), seed=3)
     assert not ex.check_nf4_bytes(lambda a, b, dq: a * b // 2)  # "4 bits per weight" forgets the constants
     # absmax rounded down instead of up: wrong whenever the last block is partial
     assert not ex.check_nf4_bytes(lambda a, b, dq: (a * b + 1) // 2 + 64 + (

@@ -42,7 +42,7 @@ def test_out_of_sync_detection_works(tmp_path, monkeypatch):
     assert "has no stored execution" in problems
 
 
-@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").rglob("*.ipynb")), ids=lambda p: p.stem)
 def test_notebooks_have_no_stderr_or_errors(nb_path):
     nb = json.loads(nb_path.read_text())
     for i, cell in enumerate(nb["cells"]):
@@ -59,6 +59,10 @@ def test_chapter_structure(md_path):
     assert "show(" in text, "chapters display the package's own source"
     assert re.search(r"check_\w+\(", text), "every chapter has an exercise with a checker"
     assert "### BEGIN SOLUTION" in text and "### END SOLUTION" in text
+    assert re.search(r"^# graded: \d+ points?$", text, re.M), "every exercise has a graded test cell"
+    assert "### BEGIN HIDDEN TESTS" in text, "graded cells carry hidden tests"
+    assert 2 <= len(re.findall(r"^\*\*Model answer \(\d+ points?\)\.\*\*", text, re.M)) <= 4, "2-4 conceptual questions"
+    assert text.index("## Questions") > text.index("## Summary") and "## Suggested experiment" in text
     assert "plt." in text, "every chapter has at least one figure"
     for cell in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", text, flags=re.S):
         # Jupyter displays only a cell's last expression: an earlier bare show() shows nothing

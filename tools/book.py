@@ -4,6 +4,17 @@
   python tools/book.py site                   build the site into build/site/ from the stored outputs
   python tools/book.py site --execute         execute every chapter into build/executed/ first, build from those
   python tools/book.py status                 list chapter pairs that are out of sync or unexecuted
+  python tools/book.py grading                write nbgrader cell metadata into chapters/ from the exercise markers
+  python tools/book.py assignments [NAME ...] build course/source/ from the stored notebooks, release into course/release/
+
+Exercise markers in a chapter (the chapter stays the single source; `grading` turns them into nbgrader metadata,
+which jupytext's pairing keeps):
+  a code cell with `### BEGIN SOLUTION`        autograded answer, grade_id `<chapter>-<def name>`
+  a code cell whose first line is `# graded: N points`
+                                               locked, graded test cell worth N, `<chapter>-<function>-test`;
+                                               `### BEGIN HIDDEN TESTS` … `### END HIDDEN TESTS` stay out of releases
+  a markdown cell starting `**Model answer (N point(s)).**`
+                                               manually graded answer worth N, `<chapter>-answer-<k>`
 
 The site is Sphinx + myst-nb + sphinx-book-theme (`site/conf.py`), with MathJax installed from the npm
 registry (`site/package.json`, `site/package-lock.json`) and served locally. `site` never writes to
@@ -16,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +36,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "chapters"
 NOTEBOOKS = ROOT / "notebooks"
+COURSE = ROOT / "course"
 BUILD = ROOT / "build"
 SITE = ROOT / "site"
 # the parts of MathJax's es5 distribution that TeX input with CHTML output loads
@@ -41,14 +54,87 @@ QUIET_ENV = {
 }
 
 
-def chapter_paths(names: list[str] | None = None) -> list[pathlib.Path]:
+def chapter_paths(names: list[str] | None = None, problems: bool = False) -> list[pathlib.Path]:
+    """Chapter sources (chapters/NN_*.md), and with `problems` the problem sets (chapters/problems/*.md) too."""
     paths = sorted(CHAPTERS.glob("[0-9][0-9]_*.md"))
+    if problems:
+        paths += sorted((CHAPTERS / "problems").glob("*.md"))
     if names:
-        wanted = {n.removesuffix(".md").removesuffix(".ipynb") for n in names}
+        wanted = {pathlib.Path(n).name.removesuffix(".md").removesuffix(".ipynb") for n in names}
         paths = [p for p in paths if p.stem in wanted or p.stem[:2] in wanted]
         if not paths:
             sys.exit(f"no chapter matches {sorted(wanted)}")
     return paths
+
+
+def notebook_path(md: pathlib.Path) -> pathlib.Path:
+    """chapters/X.md -> notebooks/X.ipynb, chapters/problems/X.md -> notebooks/problems/X.ipynb."""
+    return NOTEBOOKS / md.relative_to(CHAPTERS).with_suffix(".ipynb")
+
+
+# --- nbgrader metadata from the exercise markers ----------------------------------------------------------------
+
+GRADED = re.compile(r"^# graded: (\d+) points?\b")
+ANSWER = re.compile(r"^\*\*Model answer \((\d+) points?\)\.\*\*")
+
+
+def _nbgrader(grade_id: str, *, solution: bool, grade: bool, locked: bool, points: int | None = None) -> dict:
+    meta = {"grade": grade, "grade_id": grade_id, "locked": locked, "schema_version": 3, "solution": solution,
+            "task": False}
+    if points is not None:
+        meta["points"] = points
+    return meta
+
+
+def grading_metadata(cells, stem: str) -> list[dict | None]:
+    """The nbgrader metadata each cell should carry, derived from the markers (see the module docstring)."""
+    metas, answers, seen = [], 0, set()
+    for i, cell in enumerate(cells):
+        src = cell.source.lstrip()
+        meta = None
+        if cell.cell_type == "code" and "### BEGIN SOLUTION" in src:
+            name = re.search(r"^def (\w+)", src, re.M)
+            meta = _nbgrader(f"{stem}-{name.group(1) if name else f'solution-{i}'}", solution=True, grade=False,
+                             locked=False)
+        elif cell.cell_type == "code" and (m := GRADED.match(src)):
+            tested = re.search(r"check_\w+\(\s*(\w+)", src)
+            if not tested:
+                raise ValueError(f"{stem}, cell {i}: a graded cell must call a check_… function on the learner's one")
+            meta = _nbgrader(f"{stem}-{tested.group(1)}-test", solution=False, grade=True, locked=True,
+                             points=int(m.group(1)))
+        elif cell.cell_type == "markdown" and (m := ANSWER.match(src)):
+            answers += 1
+            meta = _nbgrader(f"{stem}-answer-{answers}", solution=True, grade=True, locked=False, points=int(m.group(1)))
+        if meta:
+            if meta["grade_id"] in seen:
+                raise ValueError(f"{stem}, cell {i}: grade_id {meta['grade_id']!r} is used twice")
+            seen.add(meta["grade_id"])
+        metas.append(meta)
+    return metas
+
+
+def apply_grading_metadata(nb, stem: str) -> bool:
+    """Set (or remove) each cell's nbgrader metadata; True when anything changed."""
+    changed = False
+    for cell, meta in zip(nb.cells, grading_metadata(nb.cells, stem)):
+        if cell.metadata.get("nbgrader") != meta:
+            changed = True
+            if meta is None:
+                cell.metadata.pop("nbgrader", None)
+            else:
+                cell.metadata["nbgrader"] = meta
+    return changed
+
+
+def cmd_grading(names: list[str] | None = None) -> None:
+    """Write the derived nbgrader metadata into the chapter sources (jupytext keeps it in the pairing)."""
+    import jupytext
+
+    for md in chapter_paths(names, problems=True):
+        nb = jupytext.read(md)
+        if apply_grading_metadata(nb, md.stem):
+            jupytext.write(nb, md, fmt="md:myst")
+            print(f"{md.relative_to(ROOT)}: nbgrader metadata written")
 
 
 def read_chapter(md: pathlib.Path):
@@ -60,10 +146,13 @@ def read_chapter(md: pathlib.Path):
         cell["id"] = f"c{i:03d}"
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["jupytext"] = {"formats": "notebooks///ipynb,chapters///md:myst"}
+    if apply_grading_metadata(nb, md.stem):
+        sys.exit(f"{md.relative_to(ROOT)}: its nbgrader metadata does not match its exercise markers; "
+                 "run `python tools/book.py grading` first")
     return nb
 
 
-def execute(nb, timeout: int = 900):
+def execute(nb, timeout: int = 900, cwd: pathlib.Path = NOTEBOOKS):
     from nbclient import NotebookClient
 
     os.environ.update(QUIET_ENV)
@@ -71,7 +160,7 @@ def execute(nb, timeout: int = 900):
     # readers of the build log, so its own log stops at errors
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             extra_arguments=["--IPKernelApp.log_level=ERROR"],
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+                            resources={"metadata": {"path": str(cwd)}})
     start = time.perf_counter()
     client.execute()
     return time.perf_counter() - start
@@ -82,16 +171,19 @@ def execute_chapters(out_dir: pathlib.Path, names: list[str] | None = None) -> d
     import nbformat
 
     timings = {}
-    for md in chapter_paths(names):
+    for md in chapter_paths(names, problems=out_dir == NOTEBOOKS):
         nb = read_chapter(md)
-        timings[md.stem] = round(execute(nb), 1)
-        out = out_dir / f"{md.stem}.ipynb"
+        notebook_path(md).parent.mkdir(parents=True, exist_ok=True)
+        timings[md.stem] = round(execute(nb, cwd=notebook_path(md).parent), 1)
+        out = out_dir / notebook_path(md).relative_to(NOTEBOOKS)
+        out.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out)
         print(f"{out.relative_to(ROOT)}: executed in {timings[md.stem]:.1f} s")
     return timings
 
 
 def cmd_notebooks(names: list[str] | None) -> None:
+    cmd_grading(names)
     execute_chapters(NOTEBOOKS, names)
 
 
@@ -154,27 +246,108 @@ def cmd_site(execute_first: bool) -> None:
 
 
 def out_of_sync() -> list[str]:
-    """Problems with chapter/notebook pairs: missing partner, differing cells, unexecuted code cells."""
+    """Problems with chapter/notebook pairs: missing partner, differing cells or metadata, unexecuted code cells."""
     import jupytext
 
     problems = []
-    md_stems = {p.stem for p in CHAPTERS.glob("*.md")}
-    nb_stems = {p.stem for p in NOTEBOOKS.glob("*.ipynb")}
+    md_stems = {str(p.relative_to(CHAPTERS).with_suffix("")) for p in CHAPTERS.rglob("*.md")}
+    nb_stems = {str(p.relative_to(NOTEBOOKS).with_suffix("")) for p in NOTEBOOKS.rglob("*.ipynb")
+                if ".ipynb_checkpoints" not in p.parts}
     problems += [f"chapters/{s}.md has no notebooks/{s}.ipynb" for s in sorted(md_stems - nb_stems)]
     problems += [f"notebooks/{s}.ipynb has no chapters/{s}.md" for s in sorted(nb_stems - md_stems)]
     for stem in sorted(md_stems & nb_stems):
         source = jupytext.read(CHAPTERS / f"{stem}.md")
         stored = jupytext.read(NOTEBOOKS / f"{stem}.ipynb")
-        a = [(c.cell_type, c.source.strip()) for c in source.cells]
-        b = [(c.cell_type, c.source.strip()) for c in stored.cells]
+        a = [(c.cell_type, c.source.strip(), c.metadata.get("nbgrader")) for c in source.cells]
+        b = [(c.cell_type, c.source.strip(), c.metadata.get("nbgrader")) for c in stored.cells]
         if a != b:
             diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             problems.append(f"{stem}: chapter and notebook differ from cell {diff} on "
                             f"(run `make notebooks` or sync with jupytext)")
+        if grading_metadata(source.cells, pathlib.Path(stem).name) != [c.metadata.get("nbgrader") for c in source.cells]:
+            problems.append(f"chapters/{stem}.md: nbgrader metadata does not match the exercise markers "
+                            f"(run `python tools/book.py grading`)")
         for i, c in enumerate(stored.cells):
             if c.cell_type == "code" and c.source.strip() and c.get("execution_count") is None:
                 problems.append(f"notebooks/{stem}.ipynb: code cell {i} has no stored execution")
     return problems
+
+
+# --- the course: nbgrader source and release ------------------------------------------------------------------
+
+SHOWN = re.compile(r"^show\((\w+)\)$")
+WITHHELD_NOTE = ("*The package's `{name}` is not shown in the student copy: it is the answer to this chapter's "
+                 "exercise, and the checker withholds it while your code runs. It is in the instructor copy.*")
+
+
+def withheld_names(nb) -> set[str]:
+    """Names of the package functions the chapter's exercise checkers withhold (the answers)."""
+    from marlhf_edu import exercises
+
+    used = {m for c in nb.cells if c.cell_type == "code" for m in re.findall(r"\b(check_\w+)\(", c.source)}
+    return {path.rpartition(".")[2] for name in used if hasattr(exercises, name)
+            for path in getattr(exercises, name).withholds}
+
+
+def student_source(nb, stem: str, files: set[str]):
+    """The nbgrader source of a chapter: the instructor copy without the answers' `show()` and with paths local.
+
+    Paths `../configs/X` and `../benchmarks/X` become `configs/X` and `benchmarks/X` (added to `files`, copied
+    next to the notebook): an assignment travels as one folder. Outputs are cleared (nbgrader would anyway).
+    """
+    import nbformat
+
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))  # a deep copy
+    hidden = withheld_names(nb)
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            lines = cell.source.splitlines()
+            shown = [m.group(1) for l in lines if (m := SHOWN.match(l.strip())) and m.group(1) in hidden]
+            if shown:
+                cells.append(nbformat.v4.new_markdown_cell(" ".join(WITHHELD_NOTE.format(name=n) for n in shown)))
+                lines = [l for l in lines if not ((m := SHOWN.match(l.strip())) and m.group(1) in hidden)]
+                if not any(l.strip() and not l.lstrip().startswith("#") for l in lines):
+                    continue  # the cell only showed the answer
+                cell.source = "\n".join(lines).strip("\n")
+            for found in re.findall(r"\.\./((?:configs|benchmarks)/[\w./-]+)", cell.source):
+                files.add(found)
+            cell.source = re.sub(r"\.\./(configs|benchmarks)/", r"\1/", cell.source)
+            cell.outputs, cell.execution_count = [], None
+        cells.append(cell)
+    nb.cells = cells
+    return nb
+
+
+def nbgrader(*args: str, root: pathlib.Path = COURSE) -> None:
+    """Run an nbgrader command on the course at `root` (nbgrader_config.py at the top level sets the rest)."""
+    cmd = [sys.executable, "-m", "nbgrader", *args, f"--CourseDirectory.root={root}", "--log-level=WARN"]
+    # nbgrader runs `alembic` (the gradebook's migrations) from PATH: the virtualenv's bin must be on it
+    path = os.pathsep.join([str(pathlib.Path(sys.executable).parent), os.environ.get("PATH", "")])
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, **QUIET_ENV, "PATH": path})
+
+
+def cmd_assignments(names: list[str] | None, root: pathlib.Path = COURSE) -> list[str]:
+    """course/source/<chapter>/ from the stored notebooks, then `nbgrader generate_assignment` into course/release/."""
+    import nbformat
+
+    built = []
+    for md in chapter_paths(names, problems=True):
+        stem, files = md.stem, set()
+        nb = student_source(nbformat.read(notebook_path(md), as_version=4), stem, files)
+        folder = root / "source" / stem
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        nbformat.write(nb, folder / f"{stem}.ipynb")
+        for rel in sorted(files):
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / rel, folder / rel)
+        nbgrader("generate_assignment", stem, "--force", root=root)
+        built.append(stem)
+        print(f"{(root / 'release' / stem).relative_to(root.parent)}/: released"
+              f"{f' with {len(files)} file(s)' if files else ''}")
+    return built
 
 
 def main() -> None:
@@ -185,9 +358,17 @@ def main() -> None:
     site = sub.add_parser("site")
     site.add_argument("--execute", action="store_true", help="execute every chapter afresh before building")
     sub.add_parser("status")
+    grading = sub.add_parser("grading")
+    grading.add_argument("names", nargs="*")
+    assignments = sub.add_parser("assignments")
+    assignments.add_argument("names", nargs="*")
     args = parser.parse_args()
     if args.cmd == "notebooks":
         cmd_notebooks(args.names)
+    elif args.cmd == "grading":
+        cmd_grading(args.names)
+    elif args.cmd == "assignments":
+        cmd_assignments(args.names)
     elif args.cmd == "site":
         cmd_site(args.execute)
     else:

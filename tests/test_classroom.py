@@ -1,0 +1,150 @@
+"""The course side: nbgrader metadata from the chapters, student releases, and a full grading round trip.
+
+The round trip grades a subset that covers every kind of assignment and finishes in about three minutes on
+2 cores: chapter 00 (math, markdown answers), 04 (an exercise whose reference is withheld, shown functions
+removed), 07 (trains a reward model from a config that travels with the assignment) and problem set 1.
+"""
+
+import importlib.util
+import pathlib
+import re
+import shutil
+
+import nbformat
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("book_tool", ROOT / "tools" / "book.py")
+book = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(book)
+
+SUBSET = ["00_preface", "04_gae", "07_reward_model_training", "p1_math"]
+ALL = [p.stem for p in book.chapter_paths(problems=True)]
+
+
+def nbgrader_cells(nb):
+    return [(c, c.metadata["nbgrader"]) for c in nb.cells if "nbgrader" in c.metadata]
+
+
+@pytest.mark.parametrize("stem", ALL)
+def test_every_assignment_has_graded_work(stem):
+    nb = nbformat.read(book.notebook_path(next(p for p in book.chapter_paths(problems=True) if p.stem == stem)), 4)
+    cells = nbgrader_cells(nb)
+    tests = [m for _, m in cells if m["grade"] and not m["solution"]]
+    answers = [m for c, m in cells if m["solution"] and c.cell_type == "code"]
+    assert tests and answers and all(m["locked"] and m["points"] > 0 for m in tests)
+    assert len({m["grade_id"] for _, m in cells}) == len(cells)
+    for c, m in cells:  # every graded test checks a function some solution cell defines
+        if m["grade"] and not m["solution"]:
+            tested = re.search(r"check_\w+\(\s*(\w+)", c.source).group(1)
+            assert any(re.search(rf"^def {tested}\(", a.source, re.M) for a, am in cells if am["solution"]), tested
+
+
+def test_grading_metadata_follows_the_markers():
+    cells = [nbformat.v4.new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION"),
+             nbformat.v4.new_code_cell("# graded: 3 points\ncheck_thing(f).require()"),
+             nbformat.v4.new_markdown_cell("**Model answer (2 points).** Because."),
+             nbformat.v4.new_code_cell("print(1)")]
+    metas = book.grading_metadata(cells, "99_x")
+    assert metas[0] == {"grade": False, "grade_id": "99_x-f", "locked": False, "schema_version": 3, "solution": True,
+                        "task": False}
+    assert metas[1]["grade_id"] == "99_x-f-test" and metas[1]["points"] == 3 and metas[1]["locked"]
+    assert metas[2]["solution"] and metas[2]["grade"] and metas[2]["points"] == 2 and metas[3] is None
+    with pytest.raises(ValueError, match="used twice"):
+        book.grading_metadata(cells[:2] * 2, "99_x")
+
+
+def test_student_source_drops_the_answers_and_localises_paths():
+    for md in book.chapter_paths(problems=True):
+        nb = nbformat.read(book.notebook_path(md), 4)
+        files: set[str] = set()
+        student = book.student_source(nb, md.stem, files)
+        text = "\n".join(c.source for c in student.cells)
+        for name in book.withheld_names(nb):
+            assert f"show({name})" not in text, (md.stem, name)
+        assert "../configs/" not in text and "../benchmarks/" not in text
+        assert all((ROOT / f).is_file() for f in files)
+        assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
+    gae = book.student_source(nbformat.read(ROOT / "notebooks" / "04_gae.ipynb", 4), "04_gae", set())
+    assert sum("not shown in the student copy" in c.source for c in gae.cells) == 2
+
+
+def fill_in_solutions(released: pathlib.Path, source: pathlib.Path) -> None:
+    """A student who wrote exactly the instructor's solutions and answers (markers removed)."""
+    solutions = {m["grade_id"]: c.source for c, m in nbgrader_cells(nbformat.read(source, 4)) if m["solution"]}
+    nb = nbformat.read(released, 4)
+    for cell, meta in nbgrader_cells(nb):
+        if meta["grade_id"] in solutions:
+            cell.source = "\n".join(l for l in solutions[meta["grade_id"]].splitlines() if "### " not in l)
+    nbformat.write(nb, released)
+
+
+@pytest.fixture(scope="module")
+def graded_course(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    assert book.cmd_assignments(SUBSET, root=root) == SUBSET
+    for stem in SUBSET:
+        for student in ("stubs", "solutions"):
+            shutil.copytree(root / "release" / stem, root / "submitted" / student / stem)
+        fill_in_solutions(root / "submitted" / "solutions" / stem / f"{stem}.ipynb", root / "source" / stem / f"{stem}.ipynb")
+        book.nbgrader("autograde", stem, "--create", "--force", root=root)
+        book.nbgrader("generate_feedback", stem, "--force", root=root)
+    return root
+
+
+def grades(root, stem, student):
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
+        nb = gb.find_submission_notebook(stem, stem, student)
+        return [(g.name, g.cell_type, g.auto_score, g.max_score, g.needs_manual_grade) for g in nb.grades]
+
+
+def test_release_has_stubs_and_no_hidden_tests(graded_course):
+    for stem in SUBSET:
+        text = (graded_course / "release" / stem / f"{stem}.ipynb").read_text()
+        assert "BEGIN HIDDEN TESTS" not in text and "BEGIN SOLUTION" not in text and "Model answer" not in text
+        assert "raise NotImplementedError()" in text
+        assert ("YOUR ANSWER HERE" in text) == stem[0].isdigit()  # chapters have written questions
+    assert (graded_course / "release" / "07_reward_model_training" / "configs" / "tiny_rm.yaml").is_file()
+
+
+@pytest.mark.parametrize("stem", SUBSET)
+def test_stubs_score_zero_and_solutions_full_marks(graded_course, stem):
+    stubs, solutions = grades(graded_course, stem, "stubs"), grades(graded_course, stem, "solutions")
+    auto = [g for g in stubs if g[1] == "code"]
+    assert auto, stem
+    assert all(score == 0 for _, _, score, _, _ in auto), stubs
+    assert all(score == top for _, kind, score, top, _ in solutions if kind == "code"), solutions
+    # written answers: an untouched "YOUR ANSWER HERE" scores 0 by itself, a written one waits for the teacher
+    assert all(score == 0 and not manual for _, kind, score, _, manual in stubs if kind == "markdown"), stubs
+    assert all(manual for _, kind, _, _, manual in solutions if kind == "markdown"), solutions
+
+
+def test_feedback_is_generated(graded_course):
+    for stem in SUBSET:
+        for student in ("stubs", "solutions"):
+            html = graded_course / "feedback" / student / stem / f"{stem}.html"
+            assert html.is_file(), html
+    failed = (graded_course / "feedback" / "stubs" / "04_gae" / "04_gae.html").read_text()
+    assert "is withheld" not in failed and "NotImplementedError" in failed  # the stub's own error, reported
+
+
+def test_config_points_nbgrader_at_course():
+    text = (ROOT / "nbgrader_config.py").read_text()
+    assert 'c.CourseDirectory.root' in text and "Execute.timeout" in text
+
+
+def test_points_in_the_readmes_match_the_graded_cells():
+    course = (ROOT / "course" / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for md in book.chapter_paths(problems=True):
+        cells = nbgrader_cells(nbformat.read(book.notebook_path(md), 4))
+        auto = sum(m.get("points", 0) for c, m in cells if c.cell_type == "code")
+        written = sum(m.get("points", 0) for c, m in cells if c.cell_type == "markdown")
+        row = re.search(rf"^\| {md.stem} \|[^|]*\| (\d+) \| (\d+|–) \|", course, re.M)
+        assert row, md.stem
+        assert (int(row.group(1)), row.group(2)) == (auto, str(written) if written else "–"), md.stem
+        if md.stem[0].isdigit():
+            line = next(l for l in readme.splitlines() if l.startswith(f"| {md.stem[:2]} "))
+            assert line.endswith(f"· {auto} + {written} pts |"), line
