@@ -7,6 +7,8 @@ NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.c
 
 # Quiet, offline, reproducible: the same settings tools/book.py gives the kernels it starts.
 export TQDM_DISABLE=1
+export HF_HUB_DISABLE_PROGRESS_BARS=1
+export HF_DATASETS_DISABLE_PROGRESS_BARS=1
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export TRANSFORMERS_VERBOSITY=error

@@ -45,6 +45,10 @@ def setup(seed: int = 0) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TQDM_DISABLE", "1")
+    # transformers and datasets bars follow their own switches, not TQDM_DISABLE; with ipywidgets installed
+    # (nbgrader brings it) they would become widget outputs with random ids in stored notebooks
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     warnings.filterwarnings("ignore")
     random.seed(seed)
     np.random.seed(seed)

@@ -49,6 +49,9 @@ def test_notebooks_have_no_stderr_or_errors(nb_path):
         for out in cell.get("outputs", []):
             assert out.get("name") != "stderr", f"{nb_path.name} cell {i} stored stderr output"
             assert out["output_type"] != "error", f"{nb_path.name} cell {i} stored an error"
+            # progress-bar widgets carry random ids: a stored one would never regress
+            assert "application/vnd.jupyter.widget-view+json" not in out.get("data", {}), f"{nb_path.name} cell {i}"
+    assert "widgets" not in nb["metadata"], nb_path.name
 
 
 @pytest.mark.parametrize("md_path", sorted((ROOT / "chapters").glob("*.md")), ids=lambda p: p.stem)

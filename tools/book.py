@@ -45,6 +45,8 @@ MATHJAX_PARTS = ["tex-chtml.js", "input", "output", "ui", "a11y", "adaptors", "s
 # What every kernel that executes a chapter sees (nbval's kernel gets the same from the Makefile).
 QUIET_ENV = {
     "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "TRANSFORMERS_VERBOSITY": "error",
