@@ -6,7 +6,7 @@ import os
 
 c.CourseDirectory.root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "course")
 c.CourseDirectory.course_id = "marlhf-edu"
-# Chapters 06-09 train small models on screen: a cell may run for minutes on a 2-core laptop.
+# Chapters 07-10 train small models on screen: a cell may run for minutes on a 2-core laptop.
 c.Execute.timeout = 900
 c.Execute.extra_arguments = ["--IPKernelApp.log_level=ERROR"]
 # A graded cell reports case by case; its traceback is the feedback, so keep it whole.

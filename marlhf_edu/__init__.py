@@ -9,6 +9,7 @@ from marlhf_edu.gae import gae_advantages, gae_advantages_reference
 from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
 from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.masked import last_valid_index, masked_mean, masked_var, masked_whiten
+from marlhf_edu.policy_gradient import effective_sample_size, importance_weights, leave_one_out_baseline, reinforce_loss
 from marlhf_edu.ppo_objective import policy_loss, ppo_loss, value_loss
 from marlhf_edu.reward import llama2_reward_select, pairwise_reward_loss
 from marlhf_edu.quantization import quiet_bitsandbytes_cpu_notice
@@ -32,6 +33,10 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "token_level_rewards",
+    "reinforce_loss",
+    "leave_one_out_baseline",
+    "importance_weights",
+    "effective_sample_size",
     "gae_advantages",
     "gae_advantages_reference",
     "policy_loss",

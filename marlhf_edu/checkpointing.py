@@ -24,7 +24,7 @@ We use transformers' own mechanism (`activation_checkpointing_enable`, with
    each layer's forward that returns a context manager to replay it under
    (the multi-adapter backend restores the adapter that was active).
 
-Taught in chapter 09; the memory it saves is planned in `marlhf_edu.memory.plan`.
+Taught in chapter 10; the memory it saves is planned in `marlhf_edu.memory.plan`.
 """
 
 from __future__ import annotations

@@ -168,13 +168,6 @@ def _padded_mask(gen: torch.Generator, B: int, T: int, left: bool = False) -> to
     return mask.flip(1) if left else mask
 
 
-def _padded_mask(gen: torch.Generator, B: int, T: int, left: bool = False) -> torch.Tensor:
-    lengths = torch.randint(1, T + 1, (B,), generator=gen)
-    lengths[0] = T
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    return mask.flip(1) if left else mask
-
-
 @_withholds("marlhf_edu.masked.masked_mean")
 def check_masked_mean(fn: Callable, seed: int = 0) -> CheckReport:
     """Check `fn(values, mask) -> scalar` against `masked_mean` (kept for the API; chapter 00 now grades `check_sequence_means`)."""
@@ -377,7 +370,7 @@ def gae_with_bootstrap_reference(values, rewards, mask, bootstrap, gamma=1.0, la
     .. math:: \delta_{t_\text{last}} = r_{t_\text{last}} + \gamma\,b - V_{t_\text{last}}
 
     which is plain GAE with γ·b added to the last real reward. `bootstrap` is 0
-    for rows that ended (EOS). The checker's reference for chapter 04's exercise.
+    for rows that ended (EOS). The checker's reference for chapter 05's exercise.
     """
     from marlhf_edu.masked import last_valid_index
 
@@ -389,7 +382,7 @@ def gae_with_bootstrap_reference(values, rewards, mask, bootstrap, gamma=1.0, la
 
 @_withholds("marlhf_edu.gae.gae_advantages", "marlhf_edu.gae.gae_advantages_reference")
 def check_gae_bootstrap(fn: Callable, seed: int = 4) -> CheckReport:
-    """Check `fn(values, rewards, mask, bootstrap, gamma, lam) -> (advantages, returns)`. Chapter 04's exercise.
+    """Check `fn(values, rewards, mask, bootstrap, gamma, lam) -> (advantages, returns)`. Chapter 05's exercise.
 
     `bootstrap` (B,) is the value of the state after the last real token for
     responses cut off by the length limit, 0 for responses that ended with EOS.
@@ -437,13 +430,50 @@ def _loss_and_grad_case(fn, label, make_inputs, reference, wrt: int, atol_grad: 
     return label, run
 
 
+@_withholds("marlhf_edu.policy_gradient.reinforce_loss", "marlhf_edu.policy_gradient.leave_one_out_baseline")
+def check_rloo_loss(fn: Callable, seed: int = 9) -> CheckReport:
+    r"""Check `fn(logprobs, rewards, mask, group_size) -> loss`: REINFORCE with a leave-one-out baseline.
+
+    .. math:: L = -\frac1B\sum_b \Big(R_b - \frac{1}{K-1}\sum_{j\in g(b), j\ne b} R_j\Big)\sum_t m_{bt}\log\pi_{bt}
+
+    `logprobs`, `mask` (B, T); `rewards` (B,) in consecutive groups of K = `group_size`.
+    Value and gradient with respect to `logprobs` are compared. Chapter 04's exercise.
+    """
+    from marlhf_edu.policy_gradient import leave_one_out_baseline, reinforce_loss
+
+    fn = _learner(fn, check_rloo_loss)
+    gen = torch.Generator().manual_seed(seed)
+
+    def reference(logprobs, rewards, mask, group_size):
+        return reinforce_loss(logprobs, rewards, mask, leave_one_out_baseline(rewards, group_size))
+
+    def case(label, B, T, K, pad=None, rewards=None):
+        logprobs = -torch.rand(B, T, generator=gen) * 3
+        mask = _padded_mask(gen, B, T).float()
+        if pad is not None:
+            logprobs = torch.where(mask.bool(), logprobs, torch.tensor(pad))
+        r = torch.randn(B, generator=gen) if rewards is None else rewards
+        return _loss_and_grad_case(fn, label, lambda: [logprobs.clone(), r.clone(), mask.clone(), K], reference, wrt=0)
+
+    same_in_group = torch.randn(3, generator=gen).repeat_interleave(4)
+    return _run("check_rloo_loss", [
+        case("4 samples per prompt", 12, 6, 4),
+        case("2 samples per prompt", 8, 5, 2),
+        case("one prompt, 5 samples", 5, 7, 5),
+        case("rewards far from 0 (offset 100)", 8, 5, 4, rewards=100 + torch.randn(8, generator=gen)),
+        case("equal rewards within each group", 12, 5, 4, rewards=same_in_group),
+        case("padding holds -1e6", 8, 6, 4, pad=-1e6),
+        case("padding holds NaN", 8, 6, 2, pad=float("nan")),
+    ])
+
+
 @_withholds("marlhf_edu.ppo_objective.policy_loss", "marlhf_edu.ppo_objective.ppo_loss")
 def check_policy_loss(fn: Callable, seed: int = 5) -> CheckReport:
     """Check `fn(logprobs, old_logprobs, advantages, mask, cliprange) -> loss` (or `(loss, stats)`).
 
     Compares the loss value and its gradient with respect to `logprobs`, so a
     min/max mix-up that happens to give the right value still fails.
-    Chapter 05's first exercise.
+    Chapter 06's first exercise.
     """
     fn = _learner(fn, check_policy_loss)
     gen = torch.Generator().manual_seed(seed)
@@ -470,7 +500,7 @@ def check_value_loss(fn: Callable, seed: int = 6) -> CheckReport:
     .. math:: L_V = \tfrac12\operatorname{mean}_m \max\big((V - R)^2, (\operatorname{clip}(V, V^{old} \pm \epsilon_v) - R)^2\big)
 
     Value and gradient with respect to `values` are compared, on moves inside
-    and outside the clip range, towards and away from the returns. Chapter 05's second exercise.
+    and outside the clip range, towards and away from the returns. Chapter 06's second exercise.
     """
     from marlhf_edu.ppo_objective import value_loss
 
@@ -497,7 +527,7 @@ def check_value_loss(fn: Callable, seed: int = 6) -> CheckReport:
 
 @_withholds("marlhf_edu.data.formats.pku_saferlhf_to_preference")
 def check_pku_preference(fn: Callable, seed: int = 0) -> CheckReport:
-    """Check `fn(row) -> (chosen, rejected, margin)` on PKU-SafeRLHF rows. Chapter 06's exercise.
+    """Check `fn(row) -> (chosen, rejected, margin)` on PKU-SafeRLHF rows. Chapter 07's exercise.
 
     Covers the four safety cases (only 0 safe, only 1 safe, both safe, both
     unsafe) with `better_response_id` and `safer_response_id` pointing both ways,
@@ -539,7 +569,7 @@ def check_position_ids(fn: Callable, seed: int = 7) -> CheckReport:
     """Check `fn(attention_mask) -> position_ids` (B, T): real tokens numbered 0, 1, … whatever the padding.
 
     Only real tokens are compared (what a model puts at padded positions is
-    irrelevant). Chapter 07's exercise.
+    irrelevant). Chapter 08's exercise.
     """
     from marlhf_edu.scoring import position_ids_from_mask
 
@@ -568,7 +598,7 @@ def check_position_ids(fn: Callable, seed: int = 7) -> CheckReport:
 def check_response_mask(fn: Callable, seed: int = 8) -> CheckReport:
     """Check `fn(response_ids, eos_token_id) -> mask` (B, R): tokens up to and including the first EOS.
 
-    Chapter 08's exercise; compared with `marlhf_edu.ppo.response_mask_from_ids`.
+    Chapter 09's exercise; compared with `marlhf_edu.ppo.response_mask_from_ids`.
     """
     from marlhf_edu.ppo.trainer import response_mask_from_ids
 
@@ -600,7 +630,7 @@ def check_response_mask(fn: Callable, seed: int = 8) -> CheckReport:
 def check_nf4_bytes(fn: Callable, seed: int = 0) -> CheckReport:
     """Check `fn(d_in, d_out, double_quant) -> int`: the bytes bitsandbytes holds for one NF4 linear weight.
 
-    Chapter 09's exercise; compared with `marlhf_edu.memory.plan.linear_weight_bytes`
+    Chapter 10's exercise; compared with `marlhf_edu.memory.plan.linear_weight_bytes`
     (blocks of 64, the 16-entry fp32 NF4 code table; with double quantization the
     absmax as bytes, an fp32 offset, fp32 scales per 256 absmax values and a
     256-entry fp32 code table), which itself matches measured storages exactly.

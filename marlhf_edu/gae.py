@@ -3,7 +3,7 @@
 Each response token is an action; the episode is one response. The advantage
 of token t blends TD errors of all later tokens with weights (γλ)^k.
 
-Taught in chapter 04 (`chapters/04_gae.md`).
+Taught in chapter 05 (`chapters/05_gae.md`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _prepare(values, rewards, mask, fn):
 def gae_advantages_reference(
     values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""GAE as the plain backward loop (the form chapter 04 derives first).
+    r"""GAE as the plain backward loop (the form chapter 05 derives first).
 
     .. math:: \delta_t = r_t + \gamma V_{t+1} - V_t, \qquad A_t = \delta_t + \gamma\lambda A_{t+1}
 
@@ -40,7 +40,7 @@ def gae_advantages_reference(
     `(advantages, returns)` out, returns = advantages + values, both zero on
     masked positions. Same contract as `gae_advantages`.
 
-    Taught in chapter 04.
+    Taught in chapter 05.
     """
     values, rewards, m, next_values, next_mask = _prepare(values, rewards, mask, "gae_advantages_reference")
     T = values.shape[1]
@@ -69,7 +69,7 @@ def gae_advantages(
     returns = advantages + values (unwhitened); masked positions are 0 and act
     as terminal states. Equals `gae_advantages_reference` up to float rounding.
 
-    Taught in chapter 04.
+    Taught in chapter 05.
     """
     values, rewards, m, next_values, next_mask = _prepare(values, rewards, mask, "gae_advantages")
     T = values.shape[1]

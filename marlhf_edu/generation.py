@@ -1,6 +1,6 @@
 """Batched sampling from a causal LM on left-padded prompts.
 
-Taught in chapter 06 (samples from the SFT model); the PPO rollout in chapter 08 builds on it.
+Taught in chapter 07 (samples from the SFT model); the PPO rollout in chapter 09 builds on it.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     PPO usually reports entropy as a statistic (under `torch.no_grad`); with
     gradients enabled the per-chunk softmax is kept for backward as usual.
 
-    Taught in chapter 02; used as the entropy bonus in chapter 05.
+    Taught in chapter 02; used as the entropy bonus in chapter 06.
     """
     if logits.dim() != 3:
         raise ValueError(f"entropy_from_logits: expected logits (B, T, V), got {tuple(logits.shape)}")

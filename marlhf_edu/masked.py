@@ -52,7 +52,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     Raises `ValueError` when fewer than 2 entries are selected with `unbiased=True`
     (fewer than 1 otherwise) instead of returning inf or NaN.
 
-    Taught in chapter 00; used for advantage whitening in chapter 04.
+    Taught in chapter 00; used for advantage whitening in chapter 05.
     """
     m = as_bool_mask(mask, values, "masked_var")
     n = int(m.expand_as(values).sum()) if m.shape != values.shape else int(m.sum())
@@ -79,7 +79,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     the output never depends on what padding held. The variance is the unbiased
     `masked_var`, hence at least 2 selected entries are required.
 
-    Taught in chapter 04.
+    Taught in chapter 05.
     """
     m = as_bool_mask(mask, values, "masked_whiten")
     mean = masked_mean(values, m)

@@ -5,7 +5,7 @@ with a few million parameters, so every line that later runs on Llama-2-7B
 runs here unchanged. The tokenizer is a byte-level BPE trained on the toy
 corpus, with a pad token distinct from EOS.
 
-Taught in chapter 06 (tokenizer, SFT model) and chapter 07 (reward model).
+Taught in chapter 07 (tokenizer, SFT model) and chapter 08 (reward model).
 """
 
 from __future__ import annotations

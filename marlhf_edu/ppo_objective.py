@@ -1,6 +1,6 @@
 """The clipped PPO objective: policy loss, value loss, entropy bonus.
 
-Taught in chapter 05 (`chapters/05_ppo_losses.md`).
+Taught in chapter 06 (`chapters/06_ppo_losses.md`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, how: str = "toke
 
     token-mean (trl 0.11, this engine) weighs every token alike, so a long response weighs more in total.
     sequence-mean weighs every response alike, so each token of a response of length L weighs 1/(B·L):
-    a long response's tokens count less, a length bias (chapter 05 measures it).
+    a long response's tokens count less, a length bias (chapter 06 measures it).
 
-    Taught in chapter 05.
+    Taught in chapter 06.
     """
     if how == "token-mean":
         return masked_mean(per_token, mask)
@@ -61,7 +61,7 @@ def policy_loss(
     gradient is exactly 0); `approxkl` — ½·mean_m (log π − log π_old)²;
     `policykl` — mean_m (log π_old − log π); `ratio_mean`, `ratio_max`.
 
-    Taught in chapter 05.
+    Taught in chapter 06.
     """
     fn = "policy_loss"
     check_same_shape(fn, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
@@ -103,7 +103,7 @@ def value_loss(
     All inputs (B, T). Returns `(loss, stats)` with `clipfrac` (share of tokens
     where the clipped error is the larger) and `error` (mean_m (V − R)²).
 
-    Taught in chapter 05.
+    Taught in chapter 06.
     """
     fn = "value_loss"
     check_same_shape(fn, values=values, old_values=old_values, returns=returns, mask=mask)
@@ -155,7 +155,7 @@ def ppo_loss(
     `policy/ratio_mean`, `policy/ratio_max`, `value/clipfrac`, `value/error`,
     `skipped`.
 
-    Taught in chapter 05.
+    Taught in chapter 06.
     """
     pg_loss, pg_stats = policy_loss(logprobs, old_logprobs, advantages, mask, cliprange, loss_aggregation)
     vf_loss, vf_stats = value_loss(values, old_values, returns, mask, cliprange_value)

@@ -8,9 +8,9 @@ read source code, return a `CheckReport` (`.require()` for graded cells), take
 `seed=` for hidden tests, and withhold the package functions that would answer
 the problem outright.
 
-  p1_math            chapters 00-05: shift, KL sign, GAE through padding, whitening order, whitening statistics
-  p2_loop            chapters 06-08: score at a pad, pad = EOS labels, score position, temperature, value positions
-  p3_multi_adapter   chapter 09: set_adapter, the reference, LoRA merge scaling, LoRA initialisation
+  p1_math            chapters 00-06: shift, KL sign, GAE through padding, whitening order, whitening statistics
+  p2_loop            chapters 07-09: score at a pad, pad = EOS labels, score position, temperature, value positions
+  p3_multi_adapter   chapter 10: set_adapter, the reference, LoRA merge scaling, LoRA initialisation
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ model, before its first forward. Every 4-bit model the package builds goes
 through it: `load_nf4`, the multi-adapter backend, the SFT and reward stages,
 `load_sft_model`/`load_reward_model`. On CPUs without AVX512-BF16 (and on GPUs)
 it changes nothing. The same family of trap as peft's `set_adapter` (chapter
-09): a library fast path that changes what trains, silently.
+10): a library fast path that changes what trains, silently.
 
-Taught in chapter 09.
+Taught in chapter 10.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Batched reward-model scoring, read at the last non-pad token.
 
-Taught in chapter 07 (`chapters/07_reward_model_training.md`); the PPO engines
+Taught in chapter 08 (`chapters/08_reward_model_training.md`); the PPO engines
 score rollouts with the same function.
 """
 

@@ -7,7 +7,7 @@ Deterministic: the same seeds give the same files. Runs the real stage code
 `configs/tiny_rm.yaml`, then measures both models on held-out toy prompts and
 writes the numbers to `zoo_metrics.json` beside the models.
 
-Taught in chapters 06 and 07.
+Taught in chapters 07 and 08.
 """
 
 from __future__ import annotations

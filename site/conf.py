@@ -41,7 +41,7 @@ autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False}
 default_role = "literal"  # docstrings write `name` for code
 
-CHAPTERS = {}  # "04" -> "chapters/04_gae", filled from the staged source directory
+CHAPTERS = {}  # "05" -> "chapters/05_gae", filled from the staged source directory
 _here = os.path.dirname(os.path.abspath(__file__))
 for _name in sorted(os.listdir(os.path.join(_here, "chapters"))) if os.path.isdir(os.path.join(_here, "chapters")) else []:
     if re.match(r"\d\d_.*\.ipynb$", _name):
@@ -51,7 +51,7 @@ _CHAPTER_RE = re.compile(r"\b([Cc]hapters?) (\d\d)\b(?: \(`chapters/\d\d_\w+\.md
 
 
 def link_chapters(app, what, name, obj, options, lines):
-    """'Taught in chapter 04' in a docstring becomes a link to chapter 04."""
+    """'Taught in chapter 05' in a docstring becomes a link to chapter 05."""
     for i, line in enumerate(lines):
         lines[i] = _CHAPTER_RE.sub(
             lambda m: f":doc:`{m.group(1)} {m.group(2)} </{CHAPTERS[m.group(2)]}>`" if m.group(2) in CHAPTERS else m.group(0),

@@ -18,7 +18,7 @@ spec = importlib.util.spec_from_file_location("book_tool", ROOT / "tools" / "boo
 book = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(book)
 
-SUBSET = ["00_preface", "04_gae", "07_reward_model_training", "p1_math"]
+SUBSET = ["00_preface", "05_gae", "08_reward_model_training", "p1_math"]
 ALL = [p.stem for p in book.chapter_paths(problems=True)]
 
 
@@ -65,7 +65,7 @@ def test_student_source_drops_the_answers_and_localises_paths():
         assert "../configs/" not in text and "../benchmarks/" not in text
         assert all((ROOT / f).is_file() for f in files)
         assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
-    gae = book.student_source(nbformat.read(ROOT / "notebooks" / "04_gae.ipynb", 4), "04_gae", set())
+    gae = book.student_source(nbformat.read(ROOT / "notebooks" / "05_gae.ipynb", 4), "05_gae", set())
     assert sum("not shown in the student copy" in c.source for c in gae.cells) == 2
 
 
@@ -106,7 +106,7 @@ def test_release_has_stubs_and_no_hidden_tests(graded_course):
         assert "BEGIN HIDDEN TESTS" not in text and "BEGIN SOLUTION" not in text and "Model answer" not in text
         assert "raise NotImplementedError()" in text
         assert ("YOUR ANSWER HERE" in text) == stem[0].isdigit()  # chapters have written questions
-    assert (graded_course / "release" / "07_reward_model_training" / "configs" / "tiny_rm.yaml").is_file()
+    assert (graded_course / "release" / "08_reward_model_training" / "configs" / "tiny_rm.yaml").is_file()
 
 
 @pytest.mark.parametrize("stem", SUBSET)
@@ -126,7 +126,7 @@ def test_feedback_is_generated(graded_course):
         for student in ("stubs", "solutions"):
             html = graded_course / "feedback" / student / stem / f"{stem}.html"
             assert html.is_file(), html
-    failed = (graded_course / "feedback" / "stubs" / "04_gae" / "04_gae.html").read_text()
+    failed = (graded_course / "feedback" / "stubs" / "05_gae" / "05_gae.html").read_text()
     assert "is withheld" not in failed and "NotImplementedError" in failed  # the stub's own error, reported
 
 

@@ -248,3 +248,23 @@ def test_check_nf4_bytes_passes_the_reference_and_fails_classic_mistakes():
         a * b // 64 + 4 + 4 * math.ceil(a * b / 64 / 256) + 1024 if dq else 4 * (a * b // 64)))
     # double quantization ignored
     assert not ex.check_nf4_bytes(lambda a, b, dq: (a * b + 1) // 2 + 64 + 4 * math.ceil(a * b / 64))
+
+
+def test_check_rloo_loss_passes_the_reference_and_fails_classic_mistakes():
+    from marlhf_edu.policy_gradient import leave_one_out_baseline, reinforce_loss
+
+    loss, loo = private_copy(reinforce_loss), private_copy(leave_one_out_baseline)
+    assert ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m, loo(r, k)))
+    assert ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m, loo(r, k)), seed=5)
+    # calling the package is refused while the learner's function runs
+    assert not ex.check_rloo_loss(lambda lp, r, m, k: reinforce_loss(lp, r, m, leave_one_out_baseline(r, k)))
+
+    def group_mean(lp, r, m, k):  # the baseline contains the sample's own reward
+        return loss(lp, r, m, r.view(-1, k).mean(-1).repeat_interleave(k))
+
+    assert not ex.check_rloo_loss(group_mean)
+    assert not ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m))  # no baseline
+    # tokens averaged instead of summed: the log-prob of a sequence is a sum
+    assert not ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m, loo(r, k)) / m.sum(-1).mean())
+    # padding multiplied by the mask: NaN × 0 = NaN
+    assert not ex.check_rloo_loss(lambda lp, r, m, k: -((r - loo(r, k)) * (lp * m).sum(-1)).mean())

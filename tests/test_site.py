@@ -63,10 +63,10 @@ def site():
 
 
 def test_site_pages_exist(site):
-    for name in ["index.html", "search.html", "api.html", "chapters/04_gae.html", "_static/mathjax/tex-chtml.js"]:
+    for name in ["index.html", "search.html", "api.html", "chapters/05_gae.html", "_static/mathjax/tex-chtml.js"]:
         assert (SITE / name).exists(), name
     # MathJax is served by the site itself unless a CDN was asked for
-    html = (SITE / "chapters" / "04_gae.html").read_text()
+    html = (SITE / "chapters" / "05_gae.html").read_text()
     assert 'src="../_static/mathjax/tex-chtml.js' in html and "cdn.jsdelivr" not in html
 
 
@@ -110,7 +110,7 @@ def test_no_raw_latex_and_figures_load(browser, site, name):
     page.close()
 
 
-@pytest.mark.parametrize("name", ["index.html", "chapters/04_gae.html", "chapters/05_ppo_losses.html"])
+@pytest.mark.parametrize("name", ["index.html", "chapters/05_gae.html", "chapters/06_ppo_losses.html"])
 def test_math_rendered_and_screenshot(browser, site, name):
     page = open_page(browser, site + name)
     rendered = page.evaluate("() => document.querySelectorAll('mjx-container').length")
@@ -158,14 +158,14 @@ def test_search_finds_the_gae_chapter(browser, site):
     page.wait_for_function("() => /Search finished/.test(document.querySelector('#search-results')?.innerText || '')",
                            timeout=30_000)
     hits = page.evaluate("() => [...document.querySelectorAll('#search-results ul.search li a')].map(a => a.getAttribute('href'))")
-    assert any("04_gae" in h for h in hits), hits
+    assert any("05_gae" in h for h in hits), hits
     page.screenshot(path=str(SHOTS / "search_advantage.png"))
     page.close()
 
 
 def test_previous_next_navigation(browser, site):
-    page = open_page(browser, site + "chapters/04_gae.html")
+    page = open_page(browser, site + "chapters/05_gae.html")
     prev = page.locator("a.left-prev").get_attribute("href")
     nxt = page.locator("a.right-next").get_attribute("href")
-    assert prev.endswith("03_kl.html") and nxt.endswith("05_ppo_losses.html"), (prev, nxt)
+    assert prev.endswith("04_policy_gradient.html") and nxt.endswith("06_ppo_losses.html"), (prev, nxt)
     page.close()

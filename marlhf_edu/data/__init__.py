@@ -1,6 +1,6 @@
 """Data formats: the prompt template, converters to trl's formats, loaders.
 
-Taught in chapter 06 (`chapters/06_data_and_sft.md`).
+Taught in chapter 07 (`chapters/07_data_and_sft.md`).
 """
 
 from marlhf_edu.data.formats import (

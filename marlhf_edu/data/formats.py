@@ -9,7 +9,7 @@ Bad rows raise `BadRowError` naming the row and the field. With
 `skip_bad_rows=True` they are skipped instead, and counted and listed in the
 returned report and in a warning: nothing is dropped silently.
 
-Taught in chapter 06.
+Taught in chapter 07.
 """
 
 from __future__ import annotations

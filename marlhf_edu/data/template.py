@@ -8,7 +8,7 @@ The completion starts with a space (" The zorb is blue."), so the prompt ends
 on a token boundary: tokenizing the prompt alone gives a prefix of tokenizing
 prompt + completion, which completion-only loss and PPO rollouts rely on.
 
-Taught in chapter 06.
+Taught in chapter 07.
 """
 
 from __future__ import annotations

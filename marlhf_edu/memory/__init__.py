@@ -1,6 +1,6 @@
 """Memory: measure what tensors really hold (`measure`) and plan it before loading anything (`plan`).
 
-Taught in chapter 02 (log-prob memory), chapter 08 (four models) and chapter 09 (planner vs measurement).
+Taught in chapter 02 (log-prob memory), chapter 09 (four models) and chapter 10 (planner vs measurement).
 """
 
 from marlhf_edu.memory.measure import (cache_bytes, cuda_peak_bytes, decoder_layers, is_adapter_parameter, layer_state_bytes,

@@ -9,7 +9,7 @@ downloaded: the weights, the tokenizer (32000 words) and the reward adapter are
 made on the spot; the numbers they produce mean nothing, the bytes they take are
 real.
 
-Used by `tools/bench_memory.py` and the tests; taught in chapter 09.
+Used by `tools/bench_memory.py` and the tests; taught in chapter 10.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     marlhf-edu memory --config configs/tiny_ma_ppo.yaml --model_shape llama-2-7b --actor_lora_r 64
 
 Reads a PPO config (the same file `ppo` / `ma-ppo` run) plus a few planning
-options, and prints the planner's table. Taught in chapter 09.
+options, and prints the planner's table. Taught in chapter 10.
 """
 
 from __future__ import annotations

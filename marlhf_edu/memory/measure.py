@@ -9,7 +9,7 @@
   any device. The planner (`marlhf_edu.memory.plan`) is checked against them.
 - `cuda_peak_bytes` reads the CUDA caching allocator's peak over one call.
 
-Taught in chapter 02 (log-prob memory), chapter 08 (four models) and chapter 09 (one base, many adapters).
+Taught in chapter 02 (log-prob memory), chapter 09 (four models) and chapter 10 (one base, many adapters).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def model_state_bytes(models: dict, optimizer=None) -> dict[str, int]:
 
     `models`: `{name: nn.Module}`. A storage already counted under an earlier
     name is not counted again, so the total is what the process really holds.
-    Taught in chapter 08 (four models) and chapter 09 (one base, many adapters).
+    Taught in chapter 09 (four models) and chapter 10 (one base, many adapters).
     """
     out, seen = {}, set()
     for name, module in models.items():

@@ -29,7 +29,7 @@ recipe (same weight format; the critic trains a LoRA when the actor does), so
 the two columns differ only in architecture. `plan_lora_ppo` is the fairer
 baseline: LoRA PPO as trl 0.11 and MA-RLHF run it, whose reference is already
 the policy's base with the adapter disabled. `rank 0` means "train every weight"
-(four-model only). Taught in chapter 09; checked against `state_bytes_by_kind`
+(four-model only). Taught in chapter 10; checked against `state_bytes_by_kind`
 within 10 % on the tiny models and per layer at Llama-2-7B width.
 """
 

@@ -1,6 +1,6 @@
 """Our PPO engine: one loop (`trainer`), interchangeable model backends (`backends`).
 
-Taught in chapter 08 (four models) and chapter 09 (one base, many adapters).
+Taught in chapter 09 (four models) and chapter 10 (one base, many adapters).
 """
 
 from marlhf_edu.ppo.backends import FourModelBackend, PPOBackend, ValueModel

@@ -11,7 +11,7 @@ The loop (`marlhf_edu.ppo.trainer`) asks four questions of its models:
 
 `FourModelBackend` answers them with four separate models (actor, critic,
 reward model, reference), as in classic RLHF-PPO. The multi-adapter backend of
-chapter 09 answers the same questions with one base model and adapters, and
+chapter 10 answers the same questions with one base model and adapters, and
 the loop does not change.
 
 Sequences are `(B, P + R)`: P left-padded prompt tokens then R response tokens;
@@ -19,7 +19,7 @@ Sequences are `(B, P + R)`: P left-padded prompt tokens then R response tokens;
 its first EOS. Position ids always come from the mask, so a left-padded prompt
 gives the same numbers as the unpadded one.
 
-Taught in chapter 08.
+Taught in chapter 09.
 """
 
 from __future__ import annotations

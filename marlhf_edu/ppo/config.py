@@ -8,7 +8,7 @@ horizon 10000, gamma 1, lam 0.95). `validate` checks everything that can be
 checked before a model is loaded; the engines check the rest (pad ≠ EOS,
 vocabularies) right after loading, before the first step.
 
-Taught in chapter 08.
+Taught in chapter 09.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class PPOConfig:
     cliprange_value: float = field(default=0.2)
     vf_coef: float = field(default=0.1)
     entropy_coef: float = field(default=0.0)
-    loss_aggregation: str = field(default="token-mean", metadata={"help": "policy loss over tokens: 'token-mean' (trl 0.11) or 'sequence-mean' (see chapter 05's length bias)"})
+    loss_aggregation: str = field(default="token-mean", metadata={"help": "policy loss over tokens: 'token-mean' (trl 0.11) or 'sequence-mean' (see chapter 06's length bias)"})
     ratio_threshold: float = field(default=10.0, metadata={"help": "skip a minibatch whose mean ratio exceeds this"})
     whiten_advantages: bool = field(default=True)
     learning_rate: float = field(default=1e-5, metadata={"help": "actor learning rate (AdamW)"})

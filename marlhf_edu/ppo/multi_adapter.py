@@ -4,7 +4,7 @@
 - value     — `shared`: a scalar head on the policy adapter's last hidden state (one forward
               gives logits and values, MA-RLHF's choice); `adapter`: its own trainable LoRA
               adapter `value` plus a head (a separate critic, a second forward);
-- `reward`  — the frozen reward-model adapter of chapter 07, with its score head;
+- `reward`  — the frozen reward-model adapter of chapter 08, with its score head;
 - reference — the same base with every adapter disabled.
 
 Three library traps handled here:
@@ -20,7 +20,7 @@ Three library traps handled here:
    base is guarded by `keep_nf4_trainable` before anything runs
    (`marlhf_edu.quantization`).
 
-Taught in chapter 09.
+Taught in chapter 10.
 """
 
 from __future__ import annotations

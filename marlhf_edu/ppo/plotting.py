@@ -1,6 +1,6 @@
 """The standard panel of RLHF-PPO training curves, drawn from a run's `metrics.jsonl`.
 
-Taught in chapter 08; chapter 09 draws the multi-adapter run on the same axes.
+Taught in chapter 09; chapter 10 draws the multi-adapter run on the same axes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ One step, top to bottom (`PPOTrainer.step`):
 7. KL controller update with the batch's mean KL.
 
 Every formula comes from the foundation modules; this file only schedules them.
-Taught in chapter 08.
+Taught in chapter 09.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     marlhf-edu ma-ppo --config configs/tiny_ma_ppo.yaml [--key value ...] [--resume true]
 
 Everything `marlhf-edu ppo` does (metrics, evaluation, checkpoints, resume,
-config checks) holds here; only the backend differs. Taught in chapter 09.
+config checks) holds here; only the backend differs. Taught in chapter 10.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ adapters), checks the configuration before any work, evaluates the policy
 before and after on the toy world, and trains with `PPOTrainer`: one JSONL
 record per step in `output_dir/metrics.jsonl`, checkpoints every `save_steps`.
 
-Taught in chapter 08.
+Taught in chapter 09.
 """
 
 from __future__ import annotations

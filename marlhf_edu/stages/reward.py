@@ -8,7 +8,7 @@ trained in full (`lora_modules_to_save: [score]`) while LoRA adapts the
 backbone. The loss is Bradley–Terry with the pair's margin (trl reads the
 `margin` column). `load_in_4bit` makes it QLoRA with no other change.
 
-Taught in chapter 07.
+Taught in chapter 08.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     model = AutoModelForSequenceClassification.from_pretrained(
         model_args.model_name_or_path, num_labels=1, **quantization_and_device_map(model_args))
     model.config.pad_token_id = tokenizer.pad_token_id
-    keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 09)
+    keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 10)
     trainer = RewardTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config)
     trainer.train()

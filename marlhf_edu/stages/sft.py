@@ -7,7 +7,7 @@ weights (it has no pretraining); any other value is loaded with
 `from_pretrained`. `load_in_4bit` and `use_peft` (trl's `ModelConfig`) turn the
 same stage into QLoRA: a config switch, not another code path.
 
-Taught in chapter 06.
+Taught in chapter 07.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     else:
         dtype = torch_dtype(model_args)
         model = AutoModelForCausalLM.from_pretrained(name, **load_kwargs, **({"dtype": dtype} if dtype else {}))
-    keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 09)
+    keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 10)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=get_peft_config(model_args))
     trainer.train()
