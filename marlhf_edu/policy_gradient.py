@@ -53,7 +53,7 @@ def reinforce_loss(
         check_no_nan(fn, "baseline", baseline)
         advantage = advantage - baseline
     # padding is zeroed with where(), not multiplied by 0: a NaN or -inf there must not reach the sum
-    sequence_logprobs = torch.where(m, logprobs, torch.zeros((), dtype=logprobs.dtype)).sum(-1)
+    sequence_logprobs = torch.where(m, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)).sum(-1)
     return -(advantage.detach() * sequence_logprobs).mean()
 
 
@@ -99,7 +99,7 @@ def importance_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask:
     m = as_bool_mask(mask, logprobs, fn)
     check_no_nan(fn, "logprobs", logprobs, m)
     check_no_nan(fn, "old_logprobs", old_logprobs, m)
-    log_ratio = torch.where(m, logprobs - old_logprobs, torch.zeros((), dtype=logprobs.dtype))
+    log_ratio = torch.where(m, logprobs - old_logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device))
     return log_ratio.sum(-1).exp()
 
 
