@@ -664,3 +664,47 @@ def check_nf4_bytes(fn: Callable, seed: int = 0) -> CheckReport:
             d_in, d_out = (int(d) for d in torch.randint(1, 5000, (2,), generator=gen))
             cases.append(case(f"random shape {d_in}×{d_out}, {'double quant' if i % 2 else 'plain'}", d_in, d_out, bool(i % 2)))
     return _run("check_nf4_bytes", cases)
+
+
+@_withholds("marlhf_edu.evaluation.prompts_needed")
+def check_prompts_needed(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(p1, p2, alpha, power, repeats, icc) -> int`: prompts per run to tell rates p1 and p2 apart.
+
+    Chapter 11's exercise; compared with `marlhf_edu.evaluation.prompts_needed`
+    (two-sided two-proportion z-test, design effect 1 + (m − 1)ρ for m repeats
+    with intraclass correlation ρ, rounded up). A non-zero `seed` adds three
+    random cases.
+    """
+    from marlhf_edu.evaluation import prompts_needed
+
+    fn = _learner(fn, check_prompts_needed)
+
+    def case(label, p1, p2, alpha=0.05, power=0.8, repeats=1, icc=0.0):
+        def run():
+            expected = prompts_needed(p1, p2, alpha, power, repeats, icc)
+            got = fn(p1, p2, alpha, power, repeats, icc)
+            if not isinstance(got, int) or got != expected:
+                return f"{label}: got {got!r}, expected {expected} prompts"
+            return None
+        return label, run
+
+    cases = [
+        case("refusal 0.85 vs 0.90, one answer per prompt", 0.85, 0.90),
+        case("the same with p1 and p2 swapped", 0.90, 0.85),
+        case("power 0.9 instead of 0.8", 0.7, 0.8, power=0.9),
+        case("alpha 0.01 instead of 0.05", 0.7, 0.8, alpha=0.01),
+        case("4 independent answers per prompt (icc 0)", 0.6, 0.75, repeats=4),
+        case("4 identical answers per prompt (icc 1): repeats do not help", 0.6, 0.75, repeats=4, icc=1.0),
+        case("4 answers per prompt, icc 0.4", 0.6, 0.75, repeats=4, icc=0.4),
+        case("rare events: 0.02 vs 0.10", 0.02, 0.10),
+    ]
+    if seed:
+        gen = torch.Generator().manual_seed(seed)
+        for i in range(3):
+            p1, p2 = (round(float(x), 3) for x in 0.05 + 0.9 * torch.rand(2, generator=gen))
+            if p1 == p2:
+                p2 = round(p1 + 0.01, 3)
+            repeats = int(torch.randint(1, 9, (1,), generator=gen))
+            icc = round(float(torch.rand(1, generator=gen)), 2)
+            cases.append(case(f"random: {p1} vs {p2}, {repeats} repeats, icc {icc}", p1, p2, repeats=repeats, icc=icc))
+    return _run("check_prompts_needed", cases)

@@ -207,6 +207,19 @@ class ToyWorld:
         verdict = self.judge(p, response)
         return 1.0 if verdict == ("refusal" if p.harmful else "correct") else 0.0
 
+    def prompt_for(self, text: str) -> ToyPrompt:
+        """The world's prompt whose rendered text is `text` (train or eval); KeyError naming it otherwise."""
+        if not hasattr(self, "_by_text"):
+            self._by_text = {p.prompt: p for p in self.train_prompts + self.eval_prompts}
+        try:
+            return self._by_text[text]
+        except KeyError:
+            raise KeyError(f"not a prompt of this toy world (seed {self.config.seed}): {text!r}") from None
+
+    def gold_rewards(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """`gold_reward` of rendered prompts and their responses, as the PPO loop's `gold_reward_fn` takes them."""
+        return [self.gold_reward(self.prompt_for(p), r.strip()) for p, r in zip(prompts, responses, strict=True)]
+
     def evaluate(self, generate: Callable[[list[str]], list[str]], prompts: Iterable[ToyPrompt] | None = None,
                  repeats: int = 1) -> dict:
         """Score any policy: `generate(prompt_texts) -> response_texts`.

@@ -268,3 +268,30 @@ def test_check_rloo_loss_passes_the_reference_and_fails_classic_mistakes():
     assert not ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m, loo(r, k)) / m.sum(-1).mean())
     # padding multiplied by the mask: NaN × 0 = NaN
     assert not ex.check_rloo_loss(lambda lp, r, m, k: -((r - loo(r, k)) * (lp * m).sum(-1)).mean())
+
+
+def test_check_prompts_needed_passes_the_reference_and_fails_classic_mistakes():
+    import math
+    from statistics import NormalDist
+
+    from marlhf_edu.evaluation import prompts_needed
+
+    reference = private_copy(prompts_needed)
+    assert ex.check_prompts_needed(reference)
+    assert ex.check_prompts_needed(reference, seed=4)
+    assert len(ex.check_prompts_needed(reference, seed=4).cases) == len(ex.check_prompts_needed(reference).cases) + 3
+    assert not ex.check_prompts_needed(prompts_needed)  # the package is withheld while the learner's code runs
+
+    def needed(p1, p2, alpha, power, repeats, icc, two_sided=True, design=True, pooled=True):
+        z_a = NormalDist().inv_cdf(1 - alpha / 2 if two_sided else 1 - alpha)
+        z_b = NormalDist().inv_cdf(power)
+        p = (p1 + p2) / 2
+        null_sd = math.sqrt(2 * p * (1 - p)) if pooled else math.sqrt(p1 * (1 - p1) + p2 * (1 - p2))
+        n = (z_a * null_sd + z_b * math.sqrt(p1 * (1 - p1) + p2 * (1 - p2))) ** 2 / (p1 - p2) ** 2
+        return math.ceil(n * ((1 + (repeats - 1) * icc) if design else 1) / repeats)
+
+    assert ex.check_prompts_needed(needed)  # the test's own derivation agrees
+    assert not ex.check_prompts_needed(lambda *a: needed(*a, two_sided=False))  # one-sided alpha
+    assert not ex.check_prompts_needed(lambda *a: needed(*a, design=False))  # repeats counted as independent
+    assert not ex.check_prompts_needed(lambda *a: needed(*a, pooled=False))  # unpooled variance under the null
+    assert not ex.check_prompts_needed(lambda *a: round(needed(*a) - 0.5))  # rounded down: too few prompts

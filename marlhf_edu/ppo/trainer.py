@@ -95,8 +95,11 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class PPOTrainer:
     """Runs PPO on `backend` over `prompts` (already rendered with the template)."""
 
-    def __init__(self, backend: PPOBackend, config: PPOConfig, prompts: list[str]):
+    def __init__(self, backend: PPOBackend, config: PPOConfig, prompts: list[str], gold_reward_fn=None):
+        """`gold_reward_fn(prompts, responses) -> rewards`, optional: a judge PPO never optimises, only logs
+        (`gold/mean` per step). The toy world has one (chapter 11 plots it against the reward model's score)."""
         self.backend, self.config, self.tokenizer = backend, config.validate(), backend.tokenizer
+        self.gold_reward_fn = gold_reward_fn
         if not prompts:
             raise ConfigError("no prompts to train on")
         lengths = [len(ids) for ids in self.tokenizer(prompts)["input_ids"]]
@@ -271,9 +274,14 @@ class PPOTrainer:
     def step(self) -> dict[str, float]:
         """One PPO iteration on the next batch of prompts; returns its record."""
         t0 = time.perf_counter()
-        r = self.rollout(self.batch_prompts(self.step_index))
+        prompts = self.batch_prompts(self.step_index)
+        r = self.rollout(prompts)
         t1 = time.perf_counter()
-        record = {"step": self.step_index + 1, **self.rollout_stats(r), **self.update(r)}
+        record = {"step": self.step_index + 1, **self.rollout_stats(r)}
+        if self.gold_reward_fn is not None:  # before the update: the judge sees the rollout the RM scored
+            gold = self.gold_reward_fn(prompts, r.texts(self.tokenizer)[1])
+            record["gold/mean"] = float(sum(gold) / len(gold))
+        record.update(self.update(r))
         # the controller sees the estimator the rewards used, summed over each response, averaged over the batch
         self.kl_controller.update(float(_masked_sum(r.kls, r.response_mask).mean()), self.config.batch_size)
         t2 = time.perf_counter()
@@ -403,12 +411,24 @@ def sample_responses(backend: PPOBackend, prompts: list[str], max_new_tokens: in
     return [text.strip() for text in out]
 
 
-def evaluate_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0) -> dict:
-    """The toy world's evaluation of the current policy, with mean reward-model score of its answers."""
+def sample_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0) -> list[dict]:
+    """One record per sampled answer to the toy world's held-out prompts, each asked `repeats` times:
+    question, kind, response, the judge's verdict, the gold reward and the reward model's score.
+
+    Chapter 11 builds its intervals from these records (`marlhf_edu.evaluation.group_outcomes`)."""
     prompts = [p for p in world.eval_prompts for _ in range(repeats)]
     responses = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, seed=seed)
-    metrics = world.evaluate(lambda _: responses, prompts=prompts)
     texts = [p.prompt + " " + r for p, r in zip(prompts, responses)]
     scores = score_texts_with(backend.scores, backend.tokenizer, texts, device=backend.device)
-    metrics["reward_model_score"] = float(scores.mean())
+    return [{"question": p.question, "kind": p.kind, "response": r, "verdict": world.judge(p, r),
+             "gold": world.gold_reward(p, r), "reward_model_score": float(s)}
+            for p, r, s in zip(prompts, responses, scores.tolist())]
+
+
+def evaluate_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0) -> dict:
+    """The toy world's evaluation of the current policy, with mean reward-model score of its answers."""
+    samples = sample_toy(backend, world, repeats, max_new_tokens, seed)
+    metrics = world.evaluate(lambda _: [s["response"] for s in samples],
+                             prompts=[p for p in world.eval_prompts for _ in range(repeats)])
+    metrics["reward_model_score"] = sum(s["reward_model_score"] for s in samples) / len(samples)
     return metrics

@@ -45,13 +45,15 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     config.validate()
     torch.manual_seed(config.seed)
     backend = (backend_factory or FourModelBackend.from_config)(config)
-    trainer = PPOTrainer(backend, config, load_prompts(config))
-    out = pathlib.Path(config.output_dir)
-    world = None
-    if config.dataset_name == "toy" and config.eval_repeats:
+    toy = None
+    if config.dataset_name == "toy":
         from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
-        world = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
+        toy = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
+    # toy data has a gold judge: every step logs it next to the reward model's score (chapter 11)
+    trainer = PPOTrainer(backend, config, load_prompts(config), gold_reward_fn=toy.gold_rewards if toy else None)
+    out = pathlib.Path(config.output_dir)
+    world = toy if config.eval_repeats else None
     result = {}
     if world is not None and not config.resume:
         result["before"] = evaluate_toy(backend, world, config.eval_repeats, config.max_new_tokens)

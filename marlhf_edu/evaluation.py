@@ -1,0 +1,266 @@
+"""Evaluation done properly: intervals on rates, seeds and prompts, and how many prompts a comparison needs.
+
+A refusal rate measured on 17 prompts, each asked 4 times, from one training
+run, carries three kinds of noise: which answers were sampled, which prompts
+happened to be held out, and which seed trained the policy. Each function here
+puts a number on one of them. Plain Python (no SciPy): the t quantiles come
+from the incomplete beta function, and the tests check them against published tables.
+
+Taught in chapter 11 (`chapters/11_overoptimisation_and_evaluation.md`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from statistics import NormalDist
+from typing import Sequence
+
+
+def _check_confidence(fn: str, confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"{fn}: `confidence` must lie in (0, 1), got {confidence!r}")
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    r"""Wilson score interval for a proportion from `successes` out of `n` independent trials.
+
+    .. math:: \frac{\hat p + \frac{z^2}{2n} \pm z\sqrt{\frac{\hat p(1-\hat p)}{n} + \frac{z^2}{4n^2}}}{1 + z^2/n}
+
+    Unlike p̂ ± z·√(p̂(1−p̂)/n) it never leaves [0, 1] and does not collapse to
+    a zero-width interval at 0 or n successes. It assumes independent trials:
+    four samples of one prompt are not four independent trials (see
+    `cluster_bootstrap_interval`).
+
+    Taught in chapter 11.
+    """
+    fn = "wilson_interval"
+    _check_confidence(fn, confidence)
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"{fn}: need n >= 1 and 0 <= successes <= n, got successes={successes}, n={n}")
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    # at 0 or n successes the bound is exactly 0 or 1; computed, it is off by rounding
+    return (0.0 if successes == 0 else centre - half), (1.0 if successes == n else centre + half)
+
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast only below this point; use the symmetry
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),          # even step
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # odd step
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            h *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * h / a
+
+
+def student_t_cdf(x: float, df: float) -> float:
+    r"""P(T ≤ x) for Student's t with `df` degrees of freedom: 1 − ½·I_{ν/(ν+x²)}(ν/2, ½) for x ≥ 0.
+
+    Taught in chapter 11.
+    """
+    tail = 0.5 * _incomplete_beta(df / 2, 0.5, df / (df + x * x))
+    return 1.0 - tail if x >= 0 else tail
+
+
+def student_t_quantile(q: float, df: float) -> float:
+    r"""The q-quantile of Student's t with `df` degrees of freedom (df may be fractional, as Welch's is).
+
+    Inverts `student_t_cdf` (the regularized incomplete beta function) by
+    bisection, to about 1e-12.
+
+    Taught in chapter 11.
+    """
+    fn = "student_t_quantile"
+    if not 0 < q < 1:
+        raise ValueError(f"{fn}: `q` must lie in (0, 1), got {q!r}")
+    if not df > 0:
+        raise ValueError(f"{fn}: `df` must be > 0, got {df!r}")
+    if q < 0.5:
+        return -student_t_quantile(1 - q, df)
+    lo, hi = 0.0, 1.0
+    while student_t_cdf(hi, df) < q:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if student_t_cdf(mid, df) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    r"""(mean, low, high): the t-interval x̄ ± t_{(1+c)/2, n−1} · s / √n for independent runs (seeds).
+
+    With 5 seeds t is 2.78, not 1.96: the interval is 40 % wider than a normal
+    one, because s itself is estimated from five numbers.
+
+    Taught in chapter 11.
+    """
+    fn = "mean_interval"
+    _check_confidence(fn, confidence)
+    xs = [float(v) for v in values]
+    if len(xs) < 2:
+        raise ValueError(f"{fn}: need at least 2 values (seeds) for an interval, got {len(xs)}")
+    n, mean = len(xs), sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+    half = student_t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def difference_interval(a: Sequence[float], b: Sequence[float],
+                        confidence: float = 0.95) -> tuple[float, float, float]:
+    r"""(mean(a) − mean(b), low, high): Welch's interval for two sets of independent runs.
+
+    .. math:: \bar a - \bar b \pm t_{(1+c)/2,\,\nu}\sqrt{s_a^2/n_a + s_b^2/n_b},\quad
+              \nu = \frac{(s_a^2/n_a + s_b^2/n_b)^2}{\frac{(s_a^2/n_a)^2}{n_a-1} + \frac{(s_b^2/n_b)^2}{n_b-1}}
+
+    An interval that contains 0 means these runs cannot tell the two methods apart.
+
+    Taught in chapter 11.
+    """
+    fn = "difference_interval"
+    _check_confidence(fn, confidence)
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"{fn}: need at least 2 runs on each side, got {len(a)} and {len(b)}")
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    va = sum((x - ma) ** 2 for x in a) / (len(a) - 1) / len(a)
+    vb = sum((x - mb) ** 2 for x in b) / (len(b) - 1) / len(b)
+    if va + vb == 0:
+        return ma - mb, ma - mb, ma - mb
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = student_t_quantile(0.5 + confidence / 2, df) * math.sqrt(va + vb)
+    return ma - mb, ma - mb - half, ma - mb + half
+
+
+def _check_groups(fn: str, groups: Sequence[Sequence[float]]) -> list[list[float]]:
+    rows = [[float(x) for x in g] for g in groups]
+    if len(rows) < 2:
+        raise ValueError(f"{fn}: need outcomes of at least 2 prompts, got {len(rows)}")
+    for i, g in enumerate(rows):
+        if not g:
+            raise ValueError(f"{fn}: prompt {i} has no outcomes")
+    return rows
+
+
+def cluster_bootstrap_interval(groups: Sequence[Sequence[float]], confidence: float = 0.95,
+                               n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    r"""(mean, low, high) of the mean outcome, resampling *prompts* with replacement (percentile bootstrap).
+
+    `groups`: one list of outcomes per prompt (for example its 4 sampled answers,
+    1 = refused). Each bootstrap replicate draws P prompts with replacement and
+    keeps all the answers of each, so answers to one prompt travel together: the
+    interval reflects how much the rate depends on which prompts were asked,
+    which independent-trial intervals (`wilson_interval` on all answers) ignore.
+
+    Taught in chapter 11.
+    """
+    fn = "cluster_bootstrap_interval"
+    _check_confidence(fn, confidence)
+    rows = _check_groups(fn, groups)
+    if n_boot < 100:
+        raise ValueError(f"{fn}: n_boot must be >= 100 for a percentile interval, got {n_boot}")
+    sums, counts = [sum(g) for g in rows], [len(g) for g in rows]
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(n_boot):
+        picks = [rng.randrange(len(rows)) for _ in rows]
+        stats.append(sum(sums[i] for i in picks) / sum(counts[i] for i in picks))
+    stats.sort()
+    tail = (1 - confidence) / 2
+    lo, hi = stats[int(math.floor(tail * (n_boot - 1)))], stats[int(math.ceil((1 - tail) * (n_boot - 1)))]
+    return sum(sums) / sum(counts), lo, hi
+
+
+def intraclass_correlation(groups: Sequence[Sequence[float]]) -> float:
+    r"""ICC(1) of outcomes grouped by prompt, all groups of the same size m (one-way ANOVA estimator).
+
+    .. math:: \rho = \frac{MS_B - MS_W}{MS_B + (m-1)\,MS_W}
+
+    ρ = 0: a prompt's answers are as different as answers to different prompts,
+    so repeats count as fresh samples. ρ = 1: a prompt always gets the same
+    verdict, so asking it again adds nothing. Clipped to [0, 1]; 0 when every
+    outcome is equal (nothing to explain).
+
+    Taught in chapter 11.
+    """
+    fn = "intraclass_correlation"
+    rows = _check_groups(fn, groups)
+    m = len(rows[0])
+    if m < 2 or any(len(g) != m for g in rows):
+        raise ValueError(f"{fn}: every prompt needs the same number (>= 2) of outcomes, "
+                         f"got sizes {sorted({len(g) for g in rows})}")
+    k = len(rows)
+    means = [sum(g) / m for g in rows]
+    grand = sum(means) / k
+    ms_between = m * sum((x - grand) ** 2 for x in means) / (k - 1)
+    ms_within = sum((x - mu) ** 2 for g, mu in zip(rows, means) for x in g) / (k * (m - 1))
+    if ms_between + (m - 1) * ms_within == 0:
+        return 0.0
+    return min(1.0, max(0.0, (ms_between - ms_within) / (ms_between + (m - 1) * ms_within)))
+
+
+def prompts_needed(p1: float, p2: float, alpha: float = 0.05, power: float = 0.8,
+                   repeats: int = 1, icc: float = 0.0) -> int:
+    r"""Prompts per run for a two-sided test at level `alpha` to detect rates p1 ≠ p2 with probability `power`.
+
+    Independent answers per run (two-proportion z-test):
+
+    .. math:: n = \frac{\big(z_{1-\alpha/2}\sqrt{2\bar p(1-\bar p)} + z_{\mathrm{power}}\sqrt{p_1(1-p_1) + p_2(1-p_2)}\big)^2}{(p_1-p_2)^2}
+
+    Asking each prompt `repeats` = m times gives m answers, but correlated ones:
+    with intraclass correlation ρ, m answers are worth m / (1 + (m−1)ρ)
+    independent ones (the design effect), so the prompts needed are
+    ⌈n (1 + (m−1)ρ) / m⌉. At ρ = 1 repeats do not help at all.
+
+    Taught in chapter 11.
+    """
+    fn = "prompts_needed"
+    for name, p in (("p1", p1), ("p2", p2)):
+        if not 0 < p < 1:
+            raise ValueError(f"{fn}: `{name}` must lie strictly in (0, 1), got {p!r}")
+    if p1 == p2:
+        raise ValueError(f"{fn}: p1 == p2 = {p1}: no number of prompts tells equal rates apart")
+    if not 0 < alpha < 1 or not 0 < power < 1:
+        raise ValueError(f"{fn}: `alpha` and `power` must lie in (0, 1), got {alpha!r}, {power!r}")
+    if repeats < 1 or not 0 <= icc <= 1:
+        raise ValueError(f"{fn}: need repeats >= 1 and 0 <= icc <= 1, got {repeats!r}, {icc!r}")
+    z_a, z_b = NormalDist().inv_cdf(1 - alpha / 2), NormalDist().inv_cdf(power)
+    p_bar = (p1 + p2) / 2
+    n = (z_a * math.sqrt(2 * p_bar * (1 - p_bar)) + z_b * math.sqrt(p1 * (1 - p1) + p2 * (1 - p2))) ** 2 / (p1 - p2) ** 2
+    return math.ceil(n * (1 + (repeats - 1) * icc) / repeats)
+
+
+def group_outcomes(samples: Sequence[dict], harmful: bool, verdict: str) -> list[list[int]]:
+    """Per-prompt 0/1 outcomes from `sample_toy`'s records: for each prompt of the kind (`harmful` or not),
+    in order of first appearance, whether each of its answers got `verdict` ('refusal', 'correct', ...).
+
+    Taught in chapter 11.
+    """
+    groups: dict[str, list[int]] = {}
+    for i, s in enumerate(samples):
+        missing = {"question", "kind", "verdict"} - set(s)
+        if missing:
+            raise KeyError(f"group_outcomes: sample {i} lacks {sorted(missing)}")
+        if (s["kind"] == "harmful") == harmful:
+            groups.setdefault(s["question"], []).append(int(s["verdict"] == verdict))
+    if not groups:
+        raise ValueError(f"group_outcomes: no {'harmful' if harmful else 'benign'} samples")
+    return list(groups.values())

@@ -1,0 +1,195 @@
+"""Chapter 11's statistics (intervals, ICC, prompts needed) and the gold judge in the PPO loop."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from marlhf_edu.evaluation import (cluster_bootstrap_interval, difference_interval, group_outcomes,
+                                   intraclass_correlation, mean_interval, prompts_needed, student_t_quantile,
+                                   wilson_interval)
+from marlhf_edu.toyworld import ToyWorld
+
+
+@pytest.mark.parametrize("q, df, table", [(0.975, 1, 12.7062), (0.975, 4, 2.7764), (0.975, 9, 2.2622),
+                                          (0.95, 10, 1.8125), (0.995, 2, 9.9248), (0.975, 30, 2.0423),
+                                          (0.025, 4, -2.7764)])
+def test_t_quantiles_match_the_table(q, df, table):
+    assert student_t_quantile(q, df) == pytest.approx(table, abs=1e-4)
+
+
+def test_wilson_matches_newcombe():
+    # Newcombe (1998), Statistics in Medicine 17:857, Table I: 81/263 and 0/10
+    lo, hi = wilson_interval(81, 263)
+    assert (round(lo, 4), round(hi, 4)) == (0.2553, 0.3662)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(0, 10)[1] == pytest.approx(0.2775, abs=1e-4)
+    assert wilson_interval(10, 10)[1] == 1.0
+
+
+def test_wilson_covers_at_its_level():
+    rng, p, n, hits = random.Random(0), 0.15, 40, 0
+    for _ in range(4000):
+        k = sum(rng.random() < p for _ in range(n))
+        lo, hi = wilson_interval(k, n)
+        hits += lo <= p <= hi
+    assert 0.93 < hits / 4000 < 0.975
+
+
+def test_mean_interval_uses_t_and_covers():
+    rng, hits = random.Random(1), 0
+    for _ in range(3000):
+        xs = [rng.gauss(0.7, 0.05) for _ in range(5)]
+        _, lo, hi = mean_interval(xs)
+        hits += lo <= 0.7 <= hi
+    # with z = 1.96 instead of t(4) = 2.78 the coverage of 5 seeds would be about 0.88
+    assert 0.935 < hits / 3000 < 0.965
+    mean, lo, hi = mean_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and hi - mean == pytest.approx(4.3027 * 1 / math.sqrt(3), abs=1e-3)
+
+
+def test_difference_interval_is_welch():
+    a, b = [1.0, 2.0, 3.0, 4.0], [2.0, 2.5, 3.0]
+    diff, lo, hi = difference_interval(a, b)
+    va, vb = (5 / 3) / 4, 0.25 / 3
+    df = (va + vb) ** 2 / (va ** 2 / 3 + vb ** 2 / 2)
+    assert diff == pytest.approx(-0.0)
+    assert hi - diff == pytest.approx(student_t_quantile(0.975, df) * math.sqrt(va + vb))
+    rng, hits = random.Random(2), 0
+    for _ in range(2000):
+        x = [rng.gauss(0.0, 1.0) for _ in range(5)]
+        y = [rng.gauss(0.5, 0.2) for _ in range(5)]
+        _, lo, hi = difference_interval(x, y)
+        hits += lo <= -0.5 <= hi
+    assert 0.93 < hits / 2000 < 0.975
+
+
+def test_cluster_bootstrap_widens_for_correlated_answers():
+    rng = random.Random(3)
+    # every prompt's 4 answers agree: 40 prompts carry the information of 40 answers, not 160
+    groups = [[float(rng.random() < 0.5)] * 4 for _ in range(40)]
+    mean, lo, hi = cluster_bootstrap_interval(groups, n_boot=2000)
+    k = int(sum(sum(g) for g in groups))
+    naive = wilson_interval(k, 160)
+    assert mean == k / 160
+    assert hi - lo > 1.6 * (naive[1] - naive[0])
+    assert (hi - lo) == pytest.approx(wilson_interval(k // 4, 40)[1] - wilson_interval(k // 4, 40)[0], rel=0.25)
+    # independent answers: about the independent-trial width
+    groups = [[float(rng.random() < 0.5) for _ in range(4)] for _ in range(40)]
+    k = int(sum(sum(g) for g in groups))
+    _, lo, hi = cluster_bootstrap_interval(groups)
+    naive = wilson_interval(k, 160)
+    assert (hi - lo) == pytest.approx(naive[1] - naive[0], rel=0.25)
+
+
+def test_intraclass_correlation():
+    assert intraclass_correlation([[1, 1, 1], [0, 0, 0], [1, 1, 1]]) == 1.0
+    assert intraclass_correlation([[1, 1], [1, 1]]) == 0.0
+    # by hand: group means 0.5 and 1, grand 0.75, MSB = 2 * 2 * 0.0625 / 1 = 0.25, MSW = 0.5 / 2 = 0.25 -> 0
+    assert intraclass_correlation([[1, 0], [1, 1]]) == 0.0
+    # k = 3 prompts, m = 2 answers each, the one-way ANOVA by hand
+    groups = [[1, 1], [0, 0], [1, 0]]
+    means, grand = [1, 0, 0.5], 0.5
+    msb = 2 * sum((x - grand) ** 2 for x in means) / 2
+    msw = 0.5 / 3
+    assert intraclass_correlation(groups) == pytest.approx((msb - msw) / (msb + msw))
+    rng = random.Random(4)
+    iid = [[float(rng.random() < 0.3) for _ in range(4)] for _ in range(2000)]
+    assert intraclass_correlation(iid) < 0.03
+    with pytest.raises(ValueError, match="same number"):
+        intraclass_correlation([[1, 0], [1]])
+
+
+def _z_test_rejects(k1, k2, n):
+    p = (k1 + k2) / (2 * n)
+    se = math.sqrt(2 * p * (1 - p) / n)
+    return se > 0 and abs(k1 / n - k2 / n) / se > 1.959964
+
+
+def test_prompts_needed_gives_the_asked_power():
+    p1, p2 = 0.7, 0.85
+    n = prompts_needed(p1, p2)
+    assert n == prompts_needed(p2, p1)
+    rng, trials = random.Random(5), 3000
+    power = sum(_z_test_rejects(sum(rng.random() < p1 for _ in range(n)), sum(rng.random() < p2 for _ in range(n)), n)
+                for _ in range(trials)) / trials
+    assert 0.77 < power < 0.83
+    assert prompts_needed(p1, p2, power=0.9) > n
+    # repeats: independent answers divide the prompts needed, perfectly correlated ones do not help
+    assert math.ceil((n - 1) / 4) <= prompts_needed(p1, p2, repeats=4, icc=0.0) <= math.ceil(n / 4)
+    assert prompts_needed(p1, p2, repeats=4, icc=1.0) == n
+    with pytest.raises(ValueError, match="equal rates"):
+        prompts_needed(0.5, 0.5)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="confidence"):
+        wilson_interval(1, 2, confidence=95)
+    with pytest.raises(ValueError, match="successes"):
+        wilson_interval(3, 2)
+    with pytest.raises(ValueError, match="at least 2"):
+        mean_interval([0.5])
+    with pytest.raises(ValueError, match="prompt 1 has no outcomes"):
+        cluster_bootstrap_interval([[1], []])
+
+
+def test_group_outcomes():
+    samples = [{"question": "a", "kind": "harmful", "verdict": "refusal"},
+               {"question": "b", "kind": "sum", "verdict": "correct"},
+               {"question": "a", "kind": "harmful", "verdict": "complied"},
+               {"question": "c", "kind": "harmful", "verdict": "refusal"}]
+    assert group_outcomes(samples, harmful=True, verdict="refusal") == [[1, 0], [1]]
+    assert group_outcomes(samples, harmful=False, verdict="correct") == [[1]]
+    with pytest.raises(KeyError, match="sample 0 lacks"):
+        group_outcomes([{"question": "a"}], harmful=True, verdict="refusal")
+
+
+def test_prompt_for_and_gold_rewards():
+    world = ToyWorld()
+    p = world.eval_prompts[0]
+    assert world.prompt_for(p.prompt) is p
+    assert world.gold_rewards([p.prompt], [" " + (p.answer or "I can't help with that.")]) == [1.0]
+    with pytest.raises(KeyError, match="not a prompt of this toy world"):
+        world.prompt_for("###Question: what?")
+
+
+def test_the_loop_logs_the_gold_judge_on_its_own_rollout(tmp_path):
+    from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
+
+    world = ToyWorld()
+    config = PPOConfig(output_dir=str(tmp_path / "run"), batch_size=8, mini_batch_size=8, micro_batch_size=8,
+                       forward_batch_size=8, max_new_tokens=12, device="cpu", eval_repeats=0)
+    torch.manual_seed(0)
+    seen = []
+
+    def judge(prompts, responses):
+        seen.append((list(prompts), list(responses)))
+        return world.gold_rewards(prompts, responses)
+
+    trainer = PPOTrainer(FourModelBackend.from_config(config), config, [p.prompt for p in world.train_prompts],
+                         gold_reward_fn=judge)
+    record = trainer.step()
+    prompts, responses = seen[0]
+    assert prompts == trainer.batch_prompts(0)
+    assert responses == trainer.last_rollout.texts(trainer.tokenizer)[1]
+    expected = [world.gold_reward(world.prompt_for(p), r.strip()) for p, r in zip(prompts, responses)]
+    assert record["gold/mean"] == pytest.approx(sum(expected) / len(expected))
+
+
+def test_sample_toy_agrees_with_evaluate_toy():
+    from marlhf_edu.ppo import FourModelBackend, PPOConfig, evaluate_toy, sample_toy
+
+    world = ToyWorld()
+    backend = FourModelBackend.from_config(PPOConfig(device="cpu"))
+    samples = sample_toy(backend, world, repeats=1, max_new_tokens=12, seed=3)
+    metrics = evaluate_toy(backend, world, repeats=1, max_new_tokens=12, seed=3)
+    harmful = group_outcomes(samples, harmful=True, verdict="refusal")
+    assert metrics["harmful_refusal_rate"] == sum(map(sum, harmful)) / sum(map(len, harmful))
+    assert metrics["reward_model_score"] == pytest.approx(sum(s["reward_model_score"] for s in samples) / len(samples))
+    assert all(s["gold"] == world.gold_reward(world.prompt_for(build(s["question"])), s["response"]) for s in samples)
+
+
+def build(question):
+    from marlhf_edu.data import build_prompt
+
+    return build_prompt(question)
