@@ -1,0 +1,74 @@
+"""Direct preference optimisation: the policy trained on preference pairs, with no reward model and no sampling.
+
+DPO (Rafailov et al. 2023) starts from the KL-regularised objective PPO optimises
+and notes that its optimum satisfies r(x, y) = β log π(y|x)/π_ref(y|x) + β log Z(x).
+Put that r into the Bradley–Terry likelihood of chapter 01 and Z cancels in each
+pair: the policy itself is the reward model. trl's `DPOTrainer` trains it; this
+module holds the loss, written out, and the sequence log-probabilities it needs,
+so that the book can check trl's numbers (a test does, with a LoRA policy whose
+reference is the same model with its adapter disabled).
+
+Taught in chapter 12.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from marlhf_edu._validate import as_bool_mask, check_same_shape
+from marlhf_edu.logprobs import logprobs_from_logits
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        completion_mask: torch.Tensor) -> torch.Tensor:
+    r"""log π(y|x) = Σ_t log π(y_t | x, y_<t) over the completion tokens of each row: (B, T) → (B,).
+
+    `completion_mask` (B, T) marks the completion's tokens in `input_ids` (trl's
+    preference collator builds it; padding on the right). The token at position t
+    is predicted by the logits at t − 1, hence the one-token shift (chapter 02).
+
+    Taught in chapter 12.
+    """
+    check_same_shape("completion_logprobs", input_ids=input_ids, attention_mask=attention_mask,
+                     completion_mask=completion_mask)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    logprobs = logprobs_from_logits(logits, input_ids[:, 1:])
+    mask = as_bool_mask(completion_mask, input_ids, "completion_logprobs")[:, 1:]
+    return torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)).sum(-1)
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""The DPO loss of a batch of pairs, and each response's implicit reward.
+
+    .. math:: L = -\frac1B\sum_b \log\sigma\Big(\beta\big[\log\tfrac{\pi(y_w)}{\pi_{ref}(y_w)}
+              - \log\tfrac{\pi(y_l)}{\pi_{ref}(y_l)}\big]\Big),
+              \qquad \hat r(y) = \beta\log\frac{\pi(y)}{\pi_{ref}(y)}
+
+    All four inputs are (B,) sequence log-probabilities (`completion_logprobs`) of
+    the chosen (y_w) and rejected (y_l) response of each pair. Returns the loss and
+    the implicit rewards (B,) of chosen and rejected, detached (they are for
+    logging; their gap is what the loss pushes up). β plays the part of PPO's KL
+    coefficient: a small β lets the policy move far from the reference for a given
+    margin, a large one keeps it close. `logsigmoid` keeps large gaps finite.
+
+    Taught in chapter 12.
+    """
+    fn = "dpo_loss"
+    check_same_shape(fn, policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
+                     ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    if policy_chosen_logps.dim() != 1:
+        raise ValueError(f"{fn}: the log-probs must be (B,), one per response, got shape "
+                         f"{tuple(policy_chosen_logps.shape)}")
+    if not beta > 0:
+        raise ValueError(f"{fn}: `beta` must be > 0, got {beta!r}")
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    loss = -F.logsigmoid(beta * (chosen_logratios - rejected_logratios)).mean()
+    return loss, (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()

@@ -1,0 +1,78 @@
+"""The DPO loss written in the package, and trl's DPOTrainer with a LoRA policy checked against it."""
+
+import math
+import tempfile
+
+import pytest
+import torch
+
+from marlhf_edu.dpo import completion_logprobs, dpo_loss
+
+
+def test_dpo_loss_by_hand():
+    # one pair: chosen log-ratio 1.0 - 0.5 = 0.5, rejected -1.0 - (-0.5) = -0.5, beta 0.1 -> -log sigmoid(0.1)
+    loss, chosen, rejected = dpo_loss(torch.tensor([1.0]), torch.tensor([-1.0]), torch.tensor([0.5]),
+                                      torch.tensor([-0.5]), beta=0.1)
+    assert loss.item() == pytest.approx(-math.log(1 / (1 + math.exp(-0.1))))
+    assert chosen.item() == pytest.approx(0.05) and rejected.item() == pytest.approx(-0.05)
+    # policy == reference: every pair contributes log 2, whatever the log-probs
+    lp = torch.randn(5)
+    assert dpo_loss(lp, lp - 3, lp, lp - 3)[0].item() == pytest.approx(math.log(2))
+    # a huge margin stays finite and near 0; a huge wrong margin grows linearly, not to inf
+    assert dpo_loss(torch.tensor([1e4]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([0.0]))[0].item() < 1e-6
+    assert dpo_loss(torch.tensor([-1e4]), torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([0.0]))[0].item() \
+        == pytest.approx(1e3)
+
+
+def test_dpo_loss_gradient_raises_chosen_and_lowers_rejected():
+    c, r = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    dpo_loss(c, r, torch.zeros(3), torch.zeros(3), beta=0.5)[0].backward()
+    assert (c.grad < 0).all() and (r.grad > 0).all()  # descent raises log pi(chosen), lowers log pi(rejected)
+    assert torch.allclose(c.grad, -r.grad) and c.grad[0].item() == pytest.approx(-0.5 * 0.5 / 3)
+
+
+def test_dpo_loss_errors():
+    with pytest.raises(ValueError, match="beta"):
+        dpo_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), torch.zeros(2), beta=0)
+    with pytest.raises(ValueError, match=r"\(B,\)"):
+        dpo_loss(*(torch.zeros(2, 3),) * 4)
+
+
+def test_trl_dpo_with_lora_matches_the_package_and_uses_the_disabled_adapter_as_reference():
+    """What trl's DPOTrainer does on our behalf, pinned: with a peft policy and no ref_model, the reference is
+    the same model with its adapter disabled, log-probs are summed over the completion tokens, and the loss is
+    the sigmoid DPO loss. A change in any of the three changes the number."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from marlhf_edu.book import quietly
+    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.toyworld import ToyWorld
+
+    torch.manual_seed(0)
+    with quietly():
+        model = AutoModelForCausalLM.from_pretrained(SFT_DIR, dtype=torch.float32)
+        trainer = DPOTrainer(
+            model=model, train_dataset=ToyWorld().preference_dataset().select(range(8)),
+            processing_class=load_tokenizer(),
+            args=DPOConfig(output_dir=tempfile.mkdtemp(), beta=0.1, per_device_train_batch_size=4, report_to=[], bf16=False,
+                           use_cpu=True, disable_tqdm=True),
+            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    policy = trainer.model
+    with torch.no_grad():  # a fresh adapter is the reference exactly (B = 0); move it so the test means something
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    batch = next(iter(trainer.get_train_dataloader()))
+    policy.eval()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(policy, batch).item()
+        args = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        pol = completion_logprobs(policy, *args)
+        with policy.disable_adapter():
+            ref = completion_logprobs(policy, *args)
+    (pc, pr), (rc, rr) = pol.chunk(2), ref.chunk(2)  # trl's batch: all chosen, then all rejected
+    ours, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    assert abs(ours.item() - math.log(2)) > 1e-3  # the policy really differs from the reference
+    assert trl_loss == pytest.approx(ours.item(), abs=1e-5)

@@ -1,0 +1,123 @@
+"""GRPO's group-relative advantage and loss written in the package, and trl's GRPOTrainer checked against them."""
+
+import random
+import tempfile
+
+import pytest
+import torch
+
+from marlhf_edu.grpo import group_relative_advantages, grpo_loss
+from marlhf_edu.kl import kl_penalty
+
+
+def test_group_relative_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 5.0, 5.0, 5.0, 5.0])
+    a = group_relative_advantages(r, 4)
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std()  # Bessel: sqrt(0.25) = 0.5
+    assert torch.allclose(a[:4], (torch.tensor([0.75, -0.25, -0.25, -0.25])) / (std + 1e-4))
+    assert torch.equal(a[4:], torch.zeros(4))  # equal rewards in a group: no signal, not NaN
+    assert torch.allclose(group_relative_advantages(r, 4, scale="none")[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    assert torch.allclose(group_relative_advantages(r, 4, scale="batch"), (r - r.view(-1, 4).mean(-1).repeat_interleave(4)) / (r.std() + 1e-4))
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_relative_advantages(r, 3)
+    with pytest.raises(ValueError, match="scale"):
+        group_relative_advantages(r, 4, scale="std")
+
+
+def test_grpo_loss_at_the_old_policy_is_minus_the_mean_advantage():
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(4, 6, generator=g)
+    mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3, [1] * 5 + [0], [1] * 6]).bool()
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    assert grpo_loss(lp, lp, None, adv, mask).item() == pytest.approx(-adv.mean().item())
+    # 'bnpo' weighs the advantages by length
+    assert grpo_loss(lp, lp, None, adv, mask, aggregation="bnpo").item() == pytest.approx(
+        -(adv * mask.sum(-1)).sum().item() / mask.sum().item())
+    # the KL term: beta times k3 per token, averaged like the rest
+    ref = lp - 0.3
+    kl = kl_penalty(lp, ref, "k3")
+    expected = -adv.mean() + 0.1 * (torch.where(mask, kl, 0.0).sum(-1) / mask.sum(-1)).mean()
+    assert grpo_loss(lp, lp, ref, adv, mask, beta=0.1).item() == pytest.approx(expected.item())
+    # garbage in padding cannot leak
+    dirty = torch.where(mask, lp, torch.tensor(float("nan")))
+    assert grpo_loss(dirty, lp, ref, adv, mask, beta=0.1).item() == pytest.approx(expected.item())
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(lp, lp, None, adv, mask, beta=0.1)
+
+
+def test_grpo_loss_clips_like_ppo():
+    old = torch.zeros(1, 1)
+    up = torch.full((1, 1), 0.5, requires_grad=True)  # ratio e^0.5 = 1.65 > 1.2
+    grpo_loss(up, old, None, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool)).backward()
+    assert up.grad.item() == 0.0  # positive advantage beyond 1 + epsilon: no gradient
+    down = torch.full((1, 1), 0.5, requires_grad=True)
+    grpo_loss(down, old, None, torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool)).backward()
+    assert down.grad.item() == pytest.approx(torch.exp(torch.tensor(0.5)).item())  # negative: the unclipped term
+
+
+def test_trl_grpo_with_lora_matches_the_package():
+    """What trl's GRPOTrainer does on our behalf, pinned, with a LoRA policy on the tiny SFT model: advantages
+    are rewards standardised within groups of num_generations; the reference is the disabled adapter; the loss is
+    the clipped surrogate plus beta * ratio * k3. trl's configs default to bf16 autocast even on CPU, which
+    changes log-probs by ~1e-2; the book turns it off (bf16=False), and the last check shows why."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from marlhf_edu.book import quietly
+    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.toyworld import ToyWorld
+
+    assert GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True).bf16 is True  # trl's default, on CPU too
+    torch.manual_seed(0)
+    rng, given = random.Random(0), []
+
+    def reward(completions, **_):
+        given.extend(rng.gauss(0, 1) for _ in completions)
+        return given[-len(completions):]
+
+    with quietly():
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(SFT_DIR, dtype=torch.float32), reward_funcs=reward,
+            train_dataset=Dataset.from_list([{"prompt": p.prompt} for p in ToyWorld().train_prompts[:16]]),
+            processing_class=load_tokenizer(),
+            args=GRPOConfig(output_dir=tempfile.mkdtemp(), beta=0.04, num_generations=4, per_device_train_batch_size=8,
+                            max_completion_length=12, loss_type="grpo", bf16=False, report_to=[], use_cpu=True,
+                            disable_tqdm=True),
+            peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    policy = trainer.model
+    assert trainer.accelerator.mixed_precision == "no"
+    with torch.no_grad():  # move the fresh adapter away from the reference
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    policy.eval()
+    with quietly():
+        out = trainer._generate_and_score_completions(next(iter(trainer.get_train_dataloader())))
+    assert torch.allclose(out["advantages"], group_relative_advantages(torch.tensor(given), 4), atol=1e-6)
+
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    C, mask = out["completion_ids"].shape[1], out["completion_mask"].bool()
+
+    def logprobs():
+        from marlhf_edu.logprobs import logprobs_from_logits
+
+        return logprobs_from_logits(policy(input_ids=ids, attention_mask=att).logits[:, -C - 1:-1], out["completion_ids"])
+
+    with torch.no_grad(), policy.disable_adapter():
+        ref = logprobs()
+    assert (ref - out["ref_per_token_logps"])[mask].abs().max() < 1e-5  # the reference is the disabled adapter
+    lp = logprobs()
+    assert (lp.detach() - ref)[mask].abs().max() > 1e-3  # and the policy really differs from it
+    g = torch.Generator().manual_seed(1)  # an older policy and a farther reference, so clip and KL both act
+    inputs = {**out, "old_per_token_logps": lp.detach() + 0.3 * torch.randn(lp.shape, generator=g),
+              "ref_per_token_logps": lp.detach() - 0.5 * torch.rand(lp.shape, generator=g)}
+    with torch.no_grad():
+        trl_loss = trainer._compute_loss(policy, inputs).item()
+    ours = grpo_loss(lp, inputs["old_per_token_logps"], inputs["ref_per_token_logps"], out["advantages"], mask,
+                     epsilon=0.2, beta=0.04)
+    assert trl_loss == pytest.approx(ours.item(), abs=1e-6)
+    assert abs(grpo_loss(lp, inputs["old_per_token_logps"], inputs["ref_per_token_logps"], out["advantages"], mask,
+                         beta=0.04, kl_importance_weighted=False).item() - trl_loss) > 1e-6
