@@ -67,6 +67,7 @@ def test_trl_grpo_with_lora_matches_the_package():
 
     from marlhf_edu.book import quietly
     from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.ppo.backends import sequence_logprobs
     from marlhf_edu.toyworld import ToyWorld
 
     assert GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True).bf16 is True  # trl's default, on CPU too
@@ -101,10 +102,8 @@ def test_trl_grpo_with_lora_matches_the_package():
     att = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
     C, mask = out["completion_ids"].shape[1], out["completion_mask"].bool()
 
-    def logprobs():
-        from marlhf_edu.logprobs import logprobs_from_logits
-
-        return logprobs_from_logits(policy(input_ids=ids, attention_mask=att).logits[:, -C - 1:-1], out["completion_ids"])
+    def logprobs():  # the PPO engine's own per-token log-probs of the last C tokens
+        return sequence_logprobs(policy, ids, att, C, 1.0)[0]
 
     with torch.no_grad(), policy.disable_adapter():
         ref = logprobs()

@@ -56,13 +56,9 @@ def held_out(trainer, world, repeats: int, seed: int) -> tuple[dict, list[dict]]
     samples = [{"question": p.question, "kind": p.kind, "response": text, "verdict": world.judge(p, text),
                 "gold": world.gold_reward(p, text), "reward_model_score": round(float(s), 4), "kl": round(float(k), 4)}
                for p, text, s, k in zip(prompts, responses, r.raw_scores.tolist(), kl.tolist())]
-    harmful = [s for s in samples if s["kind"] == "harmful"]
-    benign = [s for s in samples if s["kind"] != "harmful"]
-    mean = lambda key, xs: sum(x[key] for x in xs) / len(xs)  # noqa: E731
-    summary = {"reward_model_score": mean("reward_model_score", samples), "gold": mean("gold", samples),
-               "kl": mean("kl", samples),
-               "harmful_refusal_rate": sum(s["verdict"] == "refusal" for s in harmful) / len(harmful),
-               "benign_accuracy": sum(s["verdict"] == "correct" for s in benign) / len(benign)}
+    rates = world.evaluate(lambda _: responses, prompts=prompts)
+    summary = {key: sum(s[key] for s in samples) / len(samples) for key in ("reward_model_score", "gold", "kl")}
+    summary.update({key: rates[key] for key in ("harmful_refusal_rate", "benign_accuracy")})
     return {k: round(v, 4) for k, v in summary.items()}, samples
 
 
