@@ -4,6 +4,8 @@
     marlhf-edu rm  --config configs/tiny_rm.yaml  [--key value ...]
     marlhf-edu ppo --config configs/tiny_ppo.yaml [--resume true]
     marlhf-edu ma-ppo --config configs/tiny_ma_ppo.yaml
+    marlhf-edu dpo --config configs/tiny_dpo.yaml     # contrasts (chapter 12): DPO and GRPO with trl
+    marlhf-edu grpo --config configs/tiny_grpo.yaml
     marlhf-edu memory --config configs/tiny_ma_ppo.yaml   # planned bytes, four-model vs MA-PPO
     marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch
 """
@@ -19,6 +21,8 @@ COMMANDS = {
     "rm": ("marlhf_edu.stages.reward", "reward model (trl RewardTrainer, SEQ_CLS LoRA, margins)"),
     "ppo": ("marlhf_edu.stages.ppo", "PPO with four models: actor, critic, reward model, reference"),
     "ma-ppo": ("marlhf_edu.stages.ma_ppo", "multi-adapter PPO: one (4-bit) base, policy/value/reward adapters"),
+    "dpo": ("marlhf_edu.stages.dpo", "DPO on preference pairs (trl DPOTrainer, LoRA, reference = disabled adapter)"),
+    "grpo": ("marlhf_edu.stages.grpo", "GRPO, no critic (trl GRPOTrainer, LoRA, reward adapter or toy judge)"),
     "memory": ("marlhf_edu.memory.command", "plan the memory of four-model PPO and MA-PPO side by side"),
     "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
 }

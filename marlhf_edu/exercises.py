@@ -708,3 +708,33 @@ def check_prompts_needed(fn: Callable, seed: int = 0) -> CheckReport:
             icc = round(float(torch.rand(1, generator=gen)), 2)
             cases.append(case(f"random: {p1} vs {p2}, {repeats} repeats, icc {icc}", p1, p2, repeats=repeats, icc=icc))
     return _run("check_prompts_needed", cases)
+
+
+@_withholds("marlhf_edu.grpo.group_relative_advantages")
+def check_group_relative_advantages(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(rewards, group_size) -> (B,)`: GRPO's advantages, each reward standardised within its group.
+
+    Chapter 12's exercise; compared with `marlhf_edu.grpo.group_relative_advantages` (scale='group',
+    eps=1e-4): groups are `group_size` consecutive rewards (trl's layout), the standard deviation has Bessel's
+    correction, and a group whose rewards are all equal gives zeros, not NaN. A non-zero `seed` draws other
+    random cases.
+    """
+    from marlhf_edu.grpo import group_relative_advantages
+
+    fn = _learner(fn, check_group_relative_advantages)
+    gen = torch.Generator().manual_seed(seed + 12)
+
+    def case(label, rewards, group_size):
+        def run():
+            expected = group_relative_advantages(rewards, group_size)
+            return _compare(label, fn(rewards.clone(), group_size), expected, 1e-5, 1e-4)
+        return label, run
+
+    return _run("check_group_relative_advantages", [
+        case("one group of 4, by hand", torch.tensor([1.0, 0.0, 0.0, 0.0]), 4),
+        case("8 answers in 2 groups of 4: groups are consecutive answers", torch.tensor([1.0, 2, 3, 4, 10, 20, 30, 40]), 4),
+        case("groups of 2", torch.randn(6, generator=gen), 2),
+        case("a group whose answers all scored the same (no signal, not NaN)", torch.tensor([3.0, 3, 3, 3, 0, 1, 0, 1]), 4),
+        case("64 answers, groups of 8 (the book's GRPO batch)", 3 * torch.randn(64, generator=gen) + 1, 8),
+        case("0/1 judge rewards, groups of 8", (torch.rand(32, generator=gen) < 0.7).float(), 8),
+    ])

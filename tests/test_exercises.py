@@ -295,3 +295,23 @@ def test_check_prompts_needed_passes_the_reference_and_fails_classic_mistakes():
     assert not ex.check_prompts_needed(lambda *a: needed(*a, design=False))  # repeats counted as independent
     assert not ex.check_prompts_needed(lambda *a: needed(*a, pooled=False))  # unpooled variance under the null
     assert not ex.check_prompts_needed(lambda *a: round(needed(*a) - 0.5))  # rounded down: too few prompts
+
+
+def test_check_group_relative_advantages_passes_the_reference_and_fails_classic_mistakes():
+    from marlhf_edu.grpo import group_relative_advantages
+
+    reference = private_copy(group_relative_advantages)
+    assert ex.check_group_relative_advantages(reference)
+    assert ex.check_group_relative_advantages(reference, seed=5)
+    assert not ex.check_group_relative_advantages(group_relative_advantages)  # withheld while the learner runs
+
+    def grouped(r, G, layout="consecutive", bessel=True, eps=1e-4):
+        x = r.view(-1, G) if layout == "consecutive" else r.view(G, -1).T
+        a = (x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True, unbiased=bessel) + eps)
+        return (a if layout == "consecutive" else a.T).reshape(-1)
+
+    assert ex.check_group_relative_advantages(grouped)  # the test's own derivation agrees
+    assert not ex.check_group_relative_advantages(lambda r, G: grouped(r, G, layout="interleaved"))
+    assert not ex.check_group_relative_advantages(lambda r, G: grouped(r, G, bessel=False))
+    assert not ex.check_group_relative_advantages(lambda r, G: grouped(r, G, eps=0.0))  # NaN for equal rewards
+    assert not ex.check_group_relative_advantages(lambda r, G: r - r.view(-1, G).mean(1).repeat_interleave(G))

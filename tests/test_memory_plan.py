@@ -213,3 +213,31 @@ def test_four_model_critic_follows_the_actor_recipe(tmp_path):
     value = backend.parameter_groups()["value"]
     names = {id(p): n for n, p in backend.critic.named_parameters()}
     assert value and all("lora_" in names[id(p)] or "value_head" in names[id(p)] for p in value)
+
+
+def test_grpo_and_dpo_plans_are_ma_ppo_without_the_critic():
+    """GRPO-LoRA holds what MA-PPO (adapter mode) holds less the value adapter and head and their training
+    state; DPO-LoRA holds less again (no reward adapter) and never samples. Both share one base with the
+    reference (the disabled adapter)."""
+    from marlhf_edu.memory import plan_dpo_lora, plan_grpo_lora
+
+    s = MemorySettings(weight_dtype="bfloat16", load_in_4bit=True, double_quant=True, policy_lora_r=64,
+                       value_lora_r=64, reward_lora_r=32, reward_targets=QKVO, value_mode="adapter")
+    ma, grpo, dpo = plan_multi_adapter(LLAMA_2_7B, s), plan_grpo_lora(LLAMA_2_7B, s), plan_dpo_lora(LLAMA_2_7B, s)
+    L, h = LLAMA_2_7B.num_layers, LLAMA_2_7B.hidden_size
+    value = L * lora_params(LLAMA_2_7B, 64, ALL_LINEAR)  # value adapter params (fp32)
+    reward = L * lora_params(LLAMA_2_7B, 32, QKVO)
+    assert grpo.parts["weights"] == ma.parts["weights"] == dpo.parts["weights"]
+    assert grpo.parts["adapters"] == ma.parts["adapters"] - value * 4 - (h + 1) * 4
+    assert grpo.trainable_params == ma.trainable_params - value - (h + 1) == dpo.trainable_params
+    assert grpo.parts["gradients"] == ma.parts["gradients"] - (value + h + 1) * 4
+    assert grpo.parts["optimizer"] == ma.parts["optimizer"] - 2 * (value + h + 1) * 4
+    assert grpo.parts["kv_cache"] == ma.parts["kv_cache"] > 0 and dpo.parts["kv_cache"] == 0
+    assert dpo.parts["adapters"] == grpo.parts["adapters"] - reward * 4 - h * 4
+    # the update keeps the policy's forward only: MA-PPO's less its value adapter's
+    assert grpo.parts["activations"] == dpo.parts["activations"] < ma.parts["activations"]
+    assert dpo.model_state < grpo.model_state < ma.model_state
+    with pytest.raises(ConfigError, match="policy rank must be > 0"):
+        plan_grpo_lora(LLAMA_2_7B, MemorySettings(policy_lora_r=0))
+    with pytest.raises(ConfigError, match="policy rank must be > 0"):
+        plan_dpo_lora(LLAMA_2_7B, MemorySettings(policy_lora_r=0))

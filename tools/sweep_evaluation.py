@@ -2,6 +2,7 @@
 
     python tools/sweep_evaluation.py goodhart   # -> benchmarks/overoptimisation.json (about 25 min on 2 cores)
     python tools/sweep_evaluation.py seeds      # -> benchmarks/seed_comparison.json  (about 12 min on 2 cores)
+    python tools/sweep_evaluation.py contrasts  # -> benchmarks/dpo_grpo_seeds.json   (about 12 min on 2 cores)
 
 goodhart: four-model PPO from the shipped SFT model and reward adapter (configs/tiny_ppo.yaml) at a
 learning rate of 1e-4 for 100 steps, for several fixed β and seeds. Every step logs the reward model's
@@ -13,7 +14,11 @@ evaluation's answers that the reward model likes and the judge rejects are kept 
 seeds: chapter 10's comparison (configs/tiny_ppo.yaml against configs/tiny_ma_ppo.yaml, 20 steps) for
 several seeds, with each run's held-out answers kept per prompt, so the chapter can put intervals on them.
 
-Both write the machine they ran on next to the numbers.
+contrasts (chapter 12): DPO (configs/tiny_dpo.yaml) and GRPO against the reward model and against the gold
+judge (configs/tiny_grpo.yaml) with trl, for the same seeds as `seeds`, each run's held-out answers kept
+the same way (sampled with seed 1000 + seed), so chapter 12 can set them beside PPO and MA-PPO.
+
+Each writes the machine it ran on next to the numbers.
 """
 
 from __future__ import annotations
@@ -144,6 +149,43 @@ def seeds(args) -> dict:
             "runs": runs, "machine": machine()}
 
 
+def contrast_run(stage: str, config: str, seed: int, run_dir: pathlib.Path, extra: list[str]) -> dict:
+    """One trl run (DPO or GRPO stage) from its toy config, with its held-out answers."""
+    import importlib
+
+    out = run_dir / f"sweep_{stage}_{'_'.join(extra).replace('-', '')}_s{seed}"
+    shutil.rmtree(out, ignore_errors=True)
+    module = importlib.import_module(f"marlhf_edu.stages.{stage}")
+    start = time.perf_counter()
+    trainer, metrics = module.main(["--config", str(ROOT / config), "--output_dir", str(out), "--seed", str(seed),
+                                    "--data_seed", str(seed), "--disable_tqdm", "true", *extra])
+    wall = time.perf_counter() - start
+    logs = [r for r in trainer.state.log_history if "loss" in r]
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"seed": seed, "wall_s": round(wall, 1), "steps": trainer.state.global_step,
+            "step_s": round(trainer.state.log_history[-1]["train_runtime"] / trainer.state.global_step, 3),
+            "trainable_params": trainable, "log": [{k: round(float(v), 4) for k, v in r.items()} for r in logs],
+            "held_out": {k: round(v, 4) for k, v in metrics.items() if k != "samples"},
+            "samples": [{k: s[k] for k in ("question", "kind", "verdict")} for s in metrics["samples"]]}
+
+
+def contrasts(args) -> dict:
+    methods = {"DPO": ("dpo", "configs/tiny_dpo.yaml", []),
+               "GRPO (reward model)": ("grpo", "configs/tiny_grpo.yaml", []),
+               "GRPO (gold judge)": ("grpo", "configs/tiny_grpo.yaml", ["--reward", "gold"])}
+    runs = []
+    for seed in args.seeds:
+        for label, (stage, config, extra) in methods.items():
+            if label in args.skip:
+                continue
+            print(f"contrasts: {label} seed={seed}", flush=True)
+            runs.append({"method": label, **contrast_run(stage, config, seed, pathlib.Path(args.run_dir), extra)})
+            print(f"  {runs[-1]['held_out']} in {runs[-1]['wall_s']} s", flush=True)
+    return {"configs": {k: v[1] + (" " + " ".join(v[2]) if v[2] else "") for k, v in methods.items()},
+            "eval_repeats": 4, "runs": runs, "machine": machine()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="sweep", required=True)
@@ -161,12 +203,16 @@ def main(argv=None):
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--repeats", type=int, default=4)
     s.add_argument("--out", default="benchmarks/seed_comparison.json")
-    for p in (g, s):
+    c = sub.add_parser("contrasts")
+    c.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    c.add_argument("--skip", nargs="*", default=[], help="methods to leave out (a quick check)")
+    c.add_argument("--out", default="benchmarks/dpo_grpo_seeds.json")
+    for p in (g, s, c):
         p.add_argument("--run_dir", default=str(ROOT / "runs"), help="where the runs' scratch directories go")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    result = goodhart(args) if args.sweep == "goodhart" else seeds(args)
+    result = {"goodhart": goodhart, "seeds": seeds, "contrasts": contrasts}[args.sweep](args)
     result = {"command": " ".join(["python tools/sweep_evaluation.py", *argv]), **result,
               "sweep_wall_s": round(time.perf_counter() - start, 1)}
     out = ROOT / args.out  # an absolute --out stays as it is

@@ -29,7 +29,8 @@ recipe (same weight format; the critic trains a LoRA when the actor does), so
 the two columns differ only in architecture. `plan_lora_ppo` is the fairer
 baseline: LoRA PPO as trl 0.11 and MA-RLHF run it, whose reference is already
 the policy's base with the adapter disabled. `rank 0` means "train every weight"
-(four-model only). Taught in chapter 10; checked against `state_bytes_by_kind`
+(four-model only). `plan_grpo_lora` and `plan_dpo_lora` (chapter 12) plan the two critic-free contrasts on
+the same footing. Taught in chapter 10; checked against `state_bytes_by_kind`
 within 10 % on the tiny models and per layer at Llama-2-7B width.
 """
 
@@ -473,6 +474,57 @@ def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     act = _update_activations(shape, s, [(s.policy_lora_r, s.policy_targets, True, True)])
     parts["activations"] = act.pop("activations")
     return MemoryPlan("LoRA PPO", shape, s, parts, per_model, per_layer, shape.num_layers * policy + h + 1, **act)
+
+
+def plan_grpo_lora(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
+    """GRPO-LoRA: one base with the trainable `policy` LoRA, the reference = the base with the adapter disabled,
+    and the frozen `reward` LoRA and score head on the same base (as MA-PPO holds them). No critic: MA-PPO in
+    adapter mode less the value adapter, its head, their gradients and optimizer state and the value forward.
+    `forward_batch_size` counts answers (prompts x group size). Taught in chapter 12."""
+    from marlhf_edu.stages.common import ConfigError
+
+    s.validate()
+    if s.policy_lora_r <= 0:
+        raise ConfigError("GRPO-LoRA trains a LoRA adapter: the policy rank must be > 0")
+    ab, h = DTYPE_BYTES[s.adapter_dtype], shape.hidden_size
+    base, layer = base_weight_bytes(shape, s), layer_weight_bytes(shape, s)
+    policy = lora_params(shape, s.policy_lora_r, s.policy_targets)
+    reward = lora_params(shape, s.reward_lora_r, s.reward_targets)
+    reward_head = h * 4
+    per_model = {"base (and reference)": base, "policy": shape.num_layers * policy * ab,
+                 "reward": shape.num_layers * reward * ab + reward_head}
+    parts = {"weights": base, "adapters": shape.num_layers * (policy + reward) * ab + reward_head}
+    per_layer = {"weights": layer, "adapters": (policy + reward) * ab}
+    n = shape.num_layers * policy
+    _trainable(parts, per_layer, n * ab, policy * ab, n, policy, s)
+    parts.update(activation_bytes(shape, s))
+    act = _update_activations(shape, s, [(s.policy_lora_r, s.policy_targets, True, False)])
+    parts["activations"] = act.pop("activations")
+    return MemoryPlan("GRPO-LoRA", shape, s, parts, per_model, per_layer, n, **act)
+
+
+def plan_dpo_lora(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
+    """DPO with a LoRA: one base with the trainable `policy` LoRA, the reference = the base with the adapter
+    disabled; no reward model and no sampling (no KV cache). A micro-batch of `micro_batch_size` rows is half
+    chosen, half rejected answers, of `prompt_length + response_length` tokens. Taught in chapter 12."""
+    from marlhf_edu.stages.common import ConfigError
+
+    s.validate()
+    if s.policy_lora_r <= 0:
+        raise ConfigError("DPO with a LoRA trains a LoRA adapter: the policy rank must be > 0")
+    ab = DTYPE_BYTES[s.adapter_dtype]
+    base, layer = base_weight_bytes(shape, s), layer_weight_bytes(shape, s)
+    policy = lora_params(shape, s.policy_lora_r, s.policy_targets)
+    per_model = {"base (and reference)": base, "policy": shape.num_layers * policy * ab}
+    parts = {"weights": base, "adapters": shape.num_layers * policy * ab}
+    per_layer = {"weights": layer, "adapters": policy * ab}
+    n = shape.num_layers * policy
+    _trainable(parts, per_layer, n * ab, policy * ab, n, policy, s)
+    parts.update(activation_bytes(shape, s))
+    parts["kv_cache"] = 0  # DPO never samples
+    act = _update_activations(shape, s, [(s.policy_lora_r, s.policy_targets, True, False)])
+    parts["activations"] = act.pop("activations")
+    return MemoryPlan("DPO-LoRA", shape, s, parts, per_model, per_layer, n, **act)
 
 
 def multi_adapter_settings(s: MemorySettings) -> MemorySettings:

@@ -305,3 +305,26 @@ class FourModelBackend(PPOBackend):
         with torch.no_grad():
             for name, tensor in current.items():
                 tensor.copy_(state[name])
+
+
+class ScoredPolicy:
+    """A trained policy and the reward model that scores its answers: what `sample_toy` and `evaluate_toy` ask
+    of a backend (`generate`, `scores`, `tokenizer`, `device`), for policies trained outside the PPO loop
+    (trl's DPO and GRPO in chapter 12). No critic, no reference: it cannot be trained by `PPOTrainer`."""
+
+    def __init__(self, policy, reward, tokenizer):
+        _check_tokenizer(tokenizer)
+        self.policy, self.reward, self.tokenizer = policy, reward, tokenizer
+        self.device = next(policy.parameters()).device
+
+    def generate(self, input_ids, attention_mask, **sampling):
+        was_training = self.policy.training
+        self.policy.eval()  # no dropout while sampling, as in the PPO engine
+        try:
+            return sample(self.policy, self.tokenizer, input_ids, attention_mask, **sampling)
+        finally:
+            self.policy.train(was_training)
+
+    @torch.no_grad()
+    def scores(self, input_ids, attention_mask):
+        return sequence_scores(self.reward, input_ids, attention_mask)

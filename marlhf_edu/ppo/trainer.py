@@ -425,10 +425,14 @@ def sample_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int
             for p, r, s in zip(prompts, responses, scores.tolist())]
 
 
-def evaluate_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0) -> dict:
-    """The toy world's evaluation of the current policy, with mean reward-model score of its answers."""
-    samples = sample_toy(backend, world, repeats, max_new_tokens, seed)
+def toy_metrics(world, samples: list[dict], repeats: int) -> dict:
+    """`ToyWorld.evaluate`'s rates of `sample_toy(..., repeats)` records and their mean reward-model score."""
     metrics = world.evaluate(lambda _: [s["response"] for s in samples],
                              prompts=[p for p in world.eval_prompts for _ in range(repeats)])
     metrics["reward_model_score"] = sum(s["reward_model_score"] for s in samples) / len(samples)
     return metrics
+
+
+def evaluate_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0) -> dict:
+    """The toy world's evaluation of the current policy, with mean reward-model score of its answers."""
+    return toy_metrics(world, sample_toy(backend, world, repeats, max_new_tokens, seed), repeats)

@@ -82,3 +82,36 @@ def torch_dtype(model_args):
     if name in (None, "auto"):
         return None if name is None else "auto"
     return getattr(torch, name)
+
+
+def resolve_zoo(path: str, shipped) -> str:
+    """`zoo` stands for the shipped tiny model (or adapter) `shipped`; any other path is kept as given."""
+    return str(shipped) if path == "zoo" else path
+
+
+def evaluate_trained_policy(policy, tokenizer, *, toy_seed: int, reward_base: str, reward_adapter: str, repeats: int,
+                            max_new_tokens: int, seed: int, output_dir: str | None = None) -> dict:
+    """Chapter 11's held-out toy evaluation of a policy trained by trl (DPO, GRPO): refusal rate, accuracy,
+    reward-model score, and every answer (`sample_toy` records) under `"samples"`. Written to
+    `output_dir/eval_metrics.json` (without the samples) when given."""
+    import json
+
+    from marlhf_edu.models import load_reward_model
+    from marlhf_edu.ppo import ScoredPolicy, sample_toy
+    from marlhf_edu.ppo.trainer import toy_metrics
+    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+
+    world = ToyWorld(ToyWorldConfig(seed=toy_seed))
+    from marlhf_edu.ppo.backends import quiet_loading
+
+    with quiet_loading():
+        reward, _ = load_reward_model(reward_base, reward_adapter)
+    backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer)
+    samples = sample_toy(backend, world, repeats, max_new_tokens, seed=seed)
+    metrics = toy_metrics(world, samples, repeats)
+    metrics["gold"] = sum(s["gold"] for s in samples) / len(samples)
+    if output_dir:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "eval_metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+    return {**metrics, "samples": samples}

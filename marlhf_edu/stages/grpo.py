@@ -1,0 +1,118 @@
+"""GRPO: the policy trained on its own sampled answers with trl's `GRPOTrainer`, a LoRA, and no critic.
+
+    marlhf-edu grpo --config configs/tiny_grpo.yaml [--key value ...]
+
+Each prompt is answered `num_generations` times; each answer's advantage is its reward relative to its
+group's (`marlhf_edu.grpo.group_relative_advantages`), and the KL to the reference is a k3 loss term
+(`marlhf_edu.grpo.grpo_loss`); a test pins trl's numbers against both. With a LoRA the reference is the
+base with the adapter disabled (the GRPO-LoRA design: one backbone for actor and reference, as MA-PPO).
+
+The reward (`reward: reward_model`) is the frozen reward adapter's score of prompt + answer, read as PPO
+reads it, with the same missing-EOS penalty; `reward: gold` trains on the toy world's judge instead. On
+toy data the judge is also passed with weight 0, so trl logs it (`rewards/gold/mean`) without optimising
+it, as PPO's `gold_reward_fn` does (chapter 11).
+
+Taught in chapter 12.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marlhf_edu.stages.common import DataArguments
+from marlhf_edu.stages.dpo import PolicyEvalArguments
+
+REWARDS = ("reward_model", "gold")
+
+
+@dataclass
+class GRPOScriptArguments(DataArguments, PolicyEvalArguments):
+    reward: str = field(default="reward_model", metadata={"help": "what GRPO optimises: 'reward_model' or 'gold' (toy only)"})
+    missing_eos_penalty: float = field(default=5.0, metadata={"help": "subtracted from the reward of an answer "
+                                                                      "cut off before EOS (as PPO's)"})
+    apply_template: bool = field(default=True, metadata={"help": "wrap a dataset's prompts in the chat template"})
+
+
+class RewardModelReward:
+    """A reward function for trl's `GRPOTrainer`: the reward model's score of each prompt + answer, minus
+    `missing_eos_penalty` for an answer that never reached EOS.
+
+    trl scores text with a reward *model* as plain prompt + completion without EOS; ours was trained with the
+    answer as `format_completion` writes it and EOS appended (chapter 08), so this callable scores exactly
+    that (`score_texts_with`, as `sample_toy` does)."""
+
+    __name__ = "reward_model"  # trl names a reward function's logged metrics after it
+
+    def __init__(self, reward_model, tokenizer, missing_eos_penalty: float = 5.0, batch_size: int = 64):
+        self.model, self.tokenizer = reward_model.eval(), tokenizer
+        self.missing_eos_penalty, self.batch_size = missing_eos_penalty, batch_size
+
+    def __call__(self, prompts, completions, completion_ids, **_) -> list[float]:
+        from marlhf_edu.data.template import format_completion
+        from marlhf_edu.scoring import score_texts_with, sequence_scores
+
+        texts = [p + format_completion(c) for p, c in zip(prompts, completions, strict=True)]
+        device = next(self.model.parameters()).device
+        scores = score_texts_with(lambda ids, mask: sequence_scores(self.model, ids, mask), self.tokenizer, texts,
+                                  self.batch_size, device=device).tolist()
+        eos = self.tokenizer.eos_token_id
+        return [s - (0.0 if ids and ids[-1] == eos else self.missing_eos_penalty)
+                for s, ids in zip(scores, completion_ids, strict=True)]
+
+
+def gold_reward(world):
+    """The toy world's judge as a trl reward function (1 for the right answer or a refusal of harm, else 0)."""
+    def gold(prompts, completions, **_):
+        return world.gold_rewards(prompts, completions)
+    return gold
+
+
+def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
+    """Train, save the adapter, evaluate on toy data; return `(trainer, metrics)`."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model
+    from marlhf_edu.ppo.backends import quiet_loading
+    from marlhf_edu.stages.common import ConfigError, resolve_zoo
+    from marlhf_edu.stages.dpo import evaluate_after, load_policy, lora_policy_config
+    from marlhf_edu.stages.ppo import load_prompts
+
+    if script_args.reward not in REWARDS:
+        raise ConfigError(f"reward must be one of {REWARDS}, got {script_args.reward!r}")
+    toy = script_args.dataset_name == "toy"
+    if script_args.reward == "gold" and not toy:
+        raise ConfigError("reward: gold needs the toy world's judge (dataset_name: toy)")
+    if training_args.reward_weights is not None:
+        raise ConfigError("reward_weights is set by the stage (the reward, and the toy judge at weight 0)")
+    peft_config = lora_policy_config(model_args, "GRPO")
+    with quiet_loading():
+        model, tokenizer = load_policy(model_args)
+    funcs, weights = [], []
+    if script_args.reward == "reward_model":
+        with quiet_loading():
+            rm, _ = load_reward_model(resolve_zoo(script_args.reward_base_path, SFT_DIR),
+                                      resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR))
+        funcs.append(RewardModelReward(rm.to(model.device), tokenizer, script_args.missing_eos_penalty))
+        weights.append(1.0)
+    if toy:
+        from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+
+        funcs.append(gold_reward(ToyWorld(ToyWorldConfig(seed=script_args.toy_seed))))
+        weights.append(1.0 if script_args.reward == "gold" else 0.0)  # logged, not optimised, unless chosen
+    training_args.reward_weights = weights
+    prompts = Dataset.from_list([{"prompt": p} for p in load_prompts(script_args)])
+    trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=training_args, train_dataset=prompts,
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    trainer.save_model(training_args.output_dir)
+    return trainer, evaluate_after(trainer, tokenizer, script_args, training_args)
+
+
+def main(argv: list[str] | None = None):
+    from trl import GRPOConfig, ModelConfig
+
+    from marlhf_edu.stages.common import parse_stage_args
+
+    script_args, training_args, model_args = parse_stage_args((GRPOScriptArguments, GRPOConfig, ModelConfig), argv)
+    return run_grpo(script_args, training_args, model_args)
