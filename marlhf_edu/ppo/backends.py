@@ -234,12 +234,15 @@ class FourModelBackend(PPOBackend):
 
         from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
 
+        from marlhf_edu.sources import align_pad, local_path, resolve_model
+
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
-        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
         device = config.resolved_device
         tokenizer = load_tokenizer(sft)
         reward_base = config.reward_base_path or sft
-        actor = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
+        sft = resolve_model(sft)  # a GGUF file or an SFT adapter becomes a directory once, in the cache
+        actor = align_pad(AutoModelForCausalLM.from_pretrained(sft), tokenizer).to(device)
         if config.critic_init == "reward_model":
             backbone, head = reward_model_as_critic(reward_base, adapter)
         else:
@@ -256,7 +259,7 @@ class FourModelBackend(PPOBackend):
         if head is not None:
             with torch.no_grad():
                 critic.value_head.weight.copy_(head)  # the reward model's score head; its bias stays 0
-        reference = AutoModelForCausalLM.from_pretrained(str(sft)).to(device)
+        reference = align_pad(AutoModelForCausalLM.from_pretrained(sft), tokenizer).to(device)
         reward, reward_tokenizer = load_reward_model(reward_base, adapter)
         return cls(actor, critic, reference, reward.to(device), tokenizer, reward_tokenizer)
 

@@ -21,6 +21,8 @@ from marlhf_edu.stages.common import ConfigError
 
 #: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
 TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
+#: How PPO reads prompts from a dataset (`load_prompts` in marlhf_edu.stages.ppo).
+PROMPT_FORMATS = ("prompt", "hh-rlhf")
 
 
 @dataclass
@@ -40,8 +42,12 @@ class PPOConfig:
     # ---- data -----------------------------------------------------------------------------
     dataset_name: str = field(default="toy", metadata={"help": "'toy' or a .json/.jsonl/.parquet file / hub dataset with a 'prompt' column"})
     dataset_split: str = field(default="train")
-    apply_template: bool = field(default=True, metadata={"help": "render each 'prompt' with the book's template"})
+    dataset_format: str = field(default="prompt", metadata={"help": "'prompt' (a 'prompt' column) or 'hh-rlhf' (the dialogue before the last assistant turn; repeated prompts kept once)"})
+    apply_template: bool = field(default=True, metadata={"help": "render each 'prompt' with the template (the tokenizer's chat template if it has one, else the book's)"})
     max_prompt_length: int = field(default=64, metadata={"help": "longer prompts are an error, never truncated silently"})
+    drop_long_prompts: bool = field(default=False, metadata={"help": "instead of the error, drop prompts longer than max_prompt_length and say how many"})
+    skip_bad_rows: bool = field(default=False, metadata={"help": "skip (and count) rows that cannot be converted"})
+    max_prompts: int = field(default=0, metadata={"help": "use the first N prompts (after drop_long_prompts); 0 = all"})
     toy_seed: int = field(default=0)
     # ---- batch shape ----------------------------------------------------------------------
     total_steps: int = field(default=100, metadata={"help": "PPO steps (one batch of rollouts each)"})
@@ -129,6 +135,9 @@ class PPOConfig:
         need(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
         need(self.actor_lora_r >= 0, f"actor_lora_r must be >= 0, got {self.actor_lora_r}")
         need(self.value_mode in ("shared", "adapter"), f"value_mode must be 'shared' or 'adapter', got {self.value_mode!r}")
+        need(self.dataset_format in PROMPT_FORMATS,
+             f"dataset_format must be one of {PROMPT_FORMATS}, got {self.dataset_format!r}")
+        need(self.max_prompts >= 0, f"max_prompts must be >= 0, got {self.max_prompts}")
         need(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -123,8 +123,10 @@ class MultiAdapterBackend(PPOBackend):
 
         from marlhf_edu.stages.common import ConfigError
 
+        from marlhf_edu.sources import align_pad, local_path, resolve_model
+
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
-        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
         if config.reward_base_path and not same_model_path(config.reward_base_path, sft):
             raise ConfigError(f"reward_base_path={config.reward_base_path!r} differs from sft_model_path={str(sft)!r}: "
                               "multi-adapter PPO puts the reward adapter on the policy's own base, so a reward adapter "
@@ -132,11 +134,12 @@ class MultiAdapterBackend(PPOBackend):
                               "the SFT model (or use the four-model `ppo` command, which loads the reward base separately)")
         device = config.resolved_device
         kwargs = nf4_loading_kwargs(device, config.double_quant) if config.load_in_4bit else {}
+        tokenizer = load_tokenizer(sft)
         with quiet_loading():
-            base = AutoModelForCausalLM.from_pretrained(str(sft), **kwargs)
+            base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(sft), **kwargs), tokenizer)
         if not kwargs:
             base = base.to(device)
-        return cls(base, load_tokenizer(sft), adapter, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
+        return cls(base, tokenizer, adapter, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
                    lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed,
                    critic_init=config.critic_init)
 

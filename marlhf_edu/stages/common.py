@@ -16,6 +16,9 @@ class DataArguments:
     dataset_format: str = field(default="", metadata={"help": "format of the rows (see marlhf_edu.data)"})
     dataset_split: str = field(default="train", metadata={"help": "split of a hub dataset"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "skip (and report) rows that cannot be converted"})
+    max_tokens: int = field(default=0, metadata={"help": "keep only rows whose prompt + longest answer fits in this "
+                                                         "many tokens, and say how many were dropped (0 = keep all)"})
+    max_rows: int = field(default=0, metadata={"help": "use the first N rows (after max_tokens); 0 = all"})
     toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
 
 
@@ -82,6 +85,43 @@ def torch_dtype(model_args):
     if name in (None, "auto"):
         return None if name is None else "auto"
     return getattr(torch, name)
+
+
+def select_rows(dataset, tokenizer, script_args, kind: str):
+    """Apply `max_tokens` and `max_rows` to a prompt/completion or preference dataset, and print what was kept:
+    a filter the user asked for, reported, so nothing is dropped silently."""
+    total = len(dataset)
+    if script_args.max_tokens:
+        answers = [k for k in ("completion", "chosen", "rejected") if k in dataset.column_names]
+
+        def fits(row):
+            prompt = len(tokenizer(row["prompt"])["input_ids"])
+            longest = max(len(tokenizer(row[k], add_special_tokens=False)["input_ids"]) for k in answers)
+            return prompt + longest + 1 <= script_args.max_tokens  # + EOS
+
+        keep = [i for i, row in enumerate(dataset) if fits(row)]
+        dataset = dataset.select(keep)
+    if script_args.max_rows:
+        dataset = dataset.select(range(min(script_args.max_rows, len(dataset))))
+    if len(dataset) < total:
+        print(f"{kind} data: using {len(dataset)} of {total} rows (max_tokens={script_args.max_tokens or 'off'}, "
+              f"max_rows={script_args.max_rows or 'off'})")
+    if not len(dataset):
+        raise ConfigError(f"{kind} data: no rows left after max_tokens={script_args.max_tokens}")
+    return dataset
+
+
+def record_base(output_dir, model_ref: str) -> None:
+    """Write the model reference a saved adapter was trained on into its `adapter_config.json`, so the adapter
+    resolves anywhere (`smollm2`, `zoo`, a hub id) instead of naming this machine's cache directory."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(output_dir) / "adapter_config.json"
+    if path.exists():
+        config = json.loads(path.read_text())
+        config["base_model_name_or_path"] = str(model_ref)
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def resolve_zoo(path: str, shipped) -> str:

@@ -16,23 +16,50 @@ import json
 import pathlib
 
 
-def load_prompts(config) -> list[str]:
-    """Rendered prompts: the toy world's training prompts, or a dataset's `prompt` column."""
-    from marlhf_edu.data.template import build_prompt
+def load_prompts(config, tokenizer=None) -> list[str]:
+    """Rendered prompts: the toy world's training prompts, or a dataset's.
+
+    `dataset_format: prompt` reads a `prompt` column (rendered when `apply_template`); `hh-rlhf` takes the
+    dialogue before the last assistant turn, rendered, each distinct prompt once. The template is the
+    tokenizer's chat template when it has one (a real model), else the book's. With `drop_long_prompts`,
+    prompts over `max_prompt_length` tokens are dropped and counted; `max_prompts` keeps the first N.
+    """
+    from marlhf_edu.data.template import template_for
     from marlhf_edu.stages.common import ConfigError
 
     if config.dataset_name == "toy":
         from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
         return [p.prompt for p in ToyWorld(ToyWorldConfig(seed=config.toy_seed)).train_prompts]
-    from marlhf_edu.data.formats import read_rows
+    from marlhf_edu.data.formats import BadRowError, hh_rlhf_to_preference, read_rows
 
-    prompts = []
+    template = template_for(tokenizer)
+    prompts, skipped = [], []
     for i, row in enumerate(read_rows(config.dataset_name, config.dataset_split)):
+        if config.dataset_format == "hh-rlhf":
+            try:
+                prompts.append(hh_rlhf_to_preference(row, i, template=template)["prompt"])
+            except BadRowError as err:
+                if not config.skip_bad_rows:
+                    raise
+                skipped.append(err)
+            continue
         text = row.get("prompt") if isinstance(row, dict) else None
         if not isinstance(text, str) or not text.strip():
             raise ConfigError(f"{config.dataset_name}: row {i}, field 'prompt': missing or empty")
-        prompts.append(build_prompt(text) if config.apply_template else text)
+        prompts.append(template.dialogue([(text, None)]) if config.apply_template else text)
+    if skipped:
+        print(f"prompts: skipped {len(skipped)} bad row(s) (first: {skipped[0]})")
+    if config.dataset_format == "hh-rlhf":
+        prompts = list(dict.fromkeys(prompts))
+    total = len(prompts)
+    if config.drop_long_prompts and tokenizer is not None:
+        prompts = [p for p, ids in zip(prompts, tokenizer(prompts)["input_ids"]) if len(ids) <= config.max_prompt_length]
+    if config.max_prompts:
+        prompts = prompts[:config.max_prompts]
+    if len(prompts) < total:
+        print(f"prompts: using {len(prompts)} of {total} (drop_long_prompts={config.drop_long_prompts} at "
+              f"{config.max_prompt_length} tokens, max_prompts={config.max_prompts or 'off'})")
     return prompts
 
 
@@ -51,7 +78,8 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
 
         toy = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
     # toy data has a gold judge: every step logs it next to the reward model's score (chapter 11)
-    trainer = PPOTrainer(backend, config, load_prompts(config), gold_reward_fn=toy.gold_rewards if toy else None)
+    trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer),
+                         gold_reward_fn=toy.gold_rewards if toy else None)
     out = pathlib.Path(config.output_dir)
     world = toy if config.eval_repeats else None
     result = {}

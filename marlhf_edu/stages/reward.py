@@ -21,18 +21,24 @@ from marlhf_edu.stages.common import DataArguments
 @dataclass
 class RMScriptArguments(DataArguments):
     dataset_format: str = field(default="pku-saferlhf", metadata={"help": "generic, hh-rlhf, pku-saferlhf or trl"})
-    eval_pairs: int = field(default=400, metadata={"help": "held-out toy pairs scored after training (toy data only)"})
+    eval_pairs: int = field(default=400, metadata={"help": "held-out pairs scored after training (toy data: drawn "
+                                                           "fresh; other data: the first N of eval_split)"})
+    eval_split: str = field(default="", metadata={"help": "held-out split of a dataset, scored before and after "
+                                                          "training, with a length-only baseline; empty = none"})
 
 
-def load_preference_data(script_args):
+def load_preference_data(script_args, tokenizer=None, split: str | None = None):
+    """The toy world's preference pairs, or a dataset's (`split` overrides `dataset_split`), rendered with the
+    tokenizer's chat template when it has one."""
     from marlhf_edu.data import load_preferences
 
     if script_args.dataset_name == "toy":
         from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
         return ToyWorld(ToyWorldConfig(seed=script_args.toy_seed)).preference_dataset()
-    return load_preferences(script_args.dataset_name, script_args.dataset_format, split=script_args.dataset_split,
-                            skip_bad_rows=script_args.skip_bad_rows)
+    return load_preferences(script_args.dataset_name, script_args.dataset_format,
+                            split=split or script_args.dataset_split, skip_bad_rows=script_args.skip_bad_rows,
+                            tokenizer=tokenizer)
 
 
 def check_lengths(dataset, tokenizer, max_length: int | None):
@@ -44,6 +50,17 @@ def check_lengths(dataset, tokenizer, max_length: int | None):
     if too_long:
         raise ValueError(f"{len(too_long)} preference pair(s) exceed max_length={max_length} tokens "
                          f"(first rows: {too_long[:5]}); raise max_length or filter them explicitly")
+
+
+def length_baseline(tokenizer, pairs: list[dict]) -> dict:
+    """The reward model that only counts tokens: how often the longer answer is the chosen one (ties count ½).
+
+    A learned reward model that does not beat this (or 1 − this) has learned length, not preference."""
+    longer = 0.0
+    for p in pairs:
+        n_chosen, n_rejected = (len(tokenizer(p[k], add_special_tokens=False)["input_ids"]) for k in ("chosen", "rejected"))
+        longer += 1.0 if n_chosen > n_rejected else 0.5 if n_chosen == n_rejected else 0.0
+    return {"longer_is_chosen": longer / len(pairs), "n": len(pairs)}
 
 
 def evaluate_reward_model(model, tokenizer, pairs: list[dict], batch_size: int = 64) -> dict:
@@ -70,13 +87,18 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     """Train, save the adapter (with the score head), return `(trainer, metrics)`."""
     import json
     import os
+    from dataclasses import replace
 
     from transformers import AutoModelForSequenceClassification
     from trl import RewardTrainer, get_peft_config
 
     from marlhf_edu.models import load_tokenizer
-    from marlhf_edu.quantization import keep_nf4_trainable
-    from marlhf_edu.stages.common import ConfigError, quantization_and_device_map
+    import torch
+
+    from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype
+    from marlhf_edu.sources import align_pad, resolve_model
+    from marlhf_edu.stages.common import (ConfigError, quantization_and_device_map, record_base, select_rows,
+                                         torch_dtype)
 
     peft_config = get_peft_config(model_args)
     if peft_config is not None:
@@ -84,18 +106,45 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
             raise ConfigError(f"lora_task_type must be SEQ_CLS for a reward model, got {peft_config.task_type}")
         if "score" not in (peft_config.modules_to_save or []):
             raise ConfigError("lora_modules_to_save must include 'score': the new head starts random and is trained in full")
-    dataset = load_preference_data(script_args) if dataset is None else dataset
-    tokenizer = load_tokenizer(model_args.model_name_or_path)
+    tokenizer = load_tokenizer(model_args.model_name_or_path)  # pad ≠ EOS (marlhf_edu.sources)
+    if dataset is None:
+        dataset = select_rows(load_preference_data(script_args, tokenizer), tokenizer, script_args, "preference")
     check_lengths(dataset, tokenizer, training_args.max_length)
+    held_out = None
+    if script_args.dataset_name != "toy" and script_args.eval_split:
+        held_out = load_preference_data(script_args, tokenizer, split=script_args.eval_split)
+        if script_args.max_tokens:
+            held_out = select_rows(held_out, tokenizer, replace(script_args, max_rows=0), "held-out preference")
+        held_out = held_out.select(range(min(script_args.eval_pairs or len(held_out), len(held_out)))).to_list()
+    dtype = torch_dtype(model_args)
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, num_labels=1, **quantization_and_device_map(model_args))
-    model.config.pad_token_id = tokenizer.pad_token_id
+        resolve_model(model_args.model_name_or_path), num_labels=1, **quantization_and_device_map(model_args),
+        **({"dtype": dtype} if dtype else {}))
+    align_pad(model, tokenizer)  # the score is read at the last non-pad token: pad must not be EOS
     keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 10)
     trainer = RewardTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config)
+    if dtype is torch.float32:
+        keep_trainable_dtype(trainer.model)  # trl casts QLoRA's trainable weights to bf16 (marlhf_edu.quantization)
+    before = None
+    if held_out:  # the untrained score head on the same backbone: the chance-level reference
+        trainer.model.eval()
+        before = evaluate_reward_model(trainer.model, tokenizer, held_out, training_args.per_device_eval_batch_size)
     trainer.train()
     trainer.save_model(training_args.output_dir)
+    record_base(training_args.output_dir, model_args.model_name_or_path)
     metrics = {}
+    if held_out:
+        trainer.model.eval()
+        metrics = evaluate_reward_model(trainer.model, tokenizer, held_out, training_args.per_device_eval_batch_size)
+        summary = {k: v for k, v in metrics.items() if not k.endswith("_scores")}
+        summary["untrained_head_accuracy"] = before["accuracy"]
+        summary["length_baseline"] = length_baseline(tokenizer, held_out)["longer_is_chosen"]
+        metrics.update(untrained_head_accuracy=summary["untrained_head_accuracy"],
+                       length_baseline=summary["length_baseline"])
+        with open(os.path.join(training_args.output_dir, "eval_metrics.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print("held-out reward model metrics:", json.dumps(summary))
     if script_args.dataset_name == "toy" and script_args.eval_pairs:
         from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 

