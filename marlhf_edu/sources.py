@@ -46,8 +46,16 @@ SOURCE_KINDS = ("zoo", "gguf", "directory", "adapter", "hub")
 
 
 def cache_dir() -> pathlib.Path:
-    """Where converted GGUF models and merged adapters are kept: `$MARLHF_EDU_CACHE` or `~/.cache/marlhf_edu`."""
-    return pathlib.Path(os.environ.get("MARLHF_EDU_CACHE") or pathlib.Path.home() / ".cache" / "marlhf_edu")
+    """Where converted GGUF models and merged adapters are kept: `$MARLHF_EDU_CACHE`, else `~/.cache/marlhf_edu`
+    (or the system's temporary directory when the home directory is not writable, as on some CI runners)."""
+    if os.environ.get("MARLHF_EDU_CACHE"):
+        return pathlib.Path(os.environ["MARLHF_EDU_CACHE"])
+    home = pathlib.Path.home() / ".cache" / "marlhf_edu"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:
+        return pathlib.Path(tempfile.gettempdir()) / "marlhf_edu_cache"
 
 
 @dataclass(frozen=True)
