@@ -183,7 +183,6 @@ def materialize_gguf(gguf_file) -> pathlib.Path:
         config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
                                          if k not in ("quantization_config", "model_type", "_name_or_path")},
                                       model_type=loaded.config.model_type)
-        config.max_position_embeddings = loaded.config.max_position_embeddings
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
         missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]

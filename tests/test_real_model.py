@@ -72,7 +72,8 @@ def test_chat_template_rows_and_prefix_property(smol_tokenizer):
         p = tok(row["prompt"])["input_ids"]
         assert tok(row["prompt"] + row["completion"] + tok.eos_token)["input_ids"][:len(p)] == p
     pairs = load_preferences("hh-rlhf-harmless-base", "hh-rlhf", split="test", skip_bad_rows=True, tokenizer=tok)
-    assert pairs[0]["prompt"] == first["prompt"] or pairs[0]["prompt"].startswith("<|im_start|>system")
+    # SFT and preference rows of one dialogue share the rendered prompt; the chosen answer is the SFT completion
+    assert (pairs[0]["prompt"], pairs[0]["chosen"]) == (first["prompt"], first["completion"])
 
 
 def test_gguf_conversion_is_faithful(smol_tokenizer):
@@ -132,6 +133,28 @@ def test_trl_casts_qlora_trainables_to_bf16_and_we_cast_back():
     assert trainable and all(p.dtype == torch.bfloat16 for p in trainable)  # what trl does
     assert keep_trainable_dtype(trainer.model) == len(trainable)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters() if p.requires_grad)
+
+
+def test_select_rows_filters_by_tokens_and_counts():
+    from types import SimpleNamespace
+
+    import datasets
+
+    from marlhf_edu.models import load_tokenizer
+    from marlhf_edu.stages.common import ConfigError, select_rows
+
+    tok = load_tokenizer()
+    ds = datasets.Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c d e f g h"},
+                                     {"prompt": "a", "chosen": " b", "rejected": " c"},
+                                     {"prompt": "a b", "chosen": " b", "rejected": " c"}])
+    n = lambda text, special=True: len(tok(text, add_special_tokens=special)["input_ids"])  # noqa: E731
+    limit = n("a") + n(" b", False) + 1  # fits row 1 only if its longest answer is one token
+    assert n(" c", False) == 1 and n(" c d e f g h", False) > 1 and n("a b") > n("a")
+    kept = select_rows(ds, tok, SimpleNamespace(max_tokens=limit, max_rows=0), "preference")
+    assert kept["rejected"] == [" c"] and kept["prompt"] == ["a"]
+    assert len(select_rows(ds, tok, SimpleNamespace(max_tokens=0, max_rows=2), "preference")) == 2
+    with pytest.raises(ConfigError, match="no rows left"):
+        select_rows(ds, tok, SimpleNamespace(max_tokens=1, max_rows=0), "preference")
 
 
 def test_length_baseline_and_record_base(tmp_path):

@@ -109,17 +109,13 @@ class ModelShape:
         if name_or_path in PRESETS:
             return PRESETS[name_or_path]
         path = pathlib.Path(name_or_path)
-        if not path.exists() and not name_or_path.endswith(".json"):  # a GGUF file, an adapter, a hub id, ...
+        if not name_or_path.endswith(".json"):  # a model directory, GGUF file, adapter (merged), hub id, ...
             from marlhf_edu.sources import resolve_model
 
             try:
                 path = pathlib.Path(resolve_model(name_or_path))
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # not a model reference either: the error below names the choices
                 pass
-        if (path / "adapter_config.json").exists():
-            from marlhf_edu.sources import resolve_model
-
-            path = pathlib.Path(resolve_model(path))
         path = path / "config.json" if path.is_dir() else path
         if path.name == "config.json" and path.exists():
             label = "tiny" if path.parent == SFT_DIR else path.parent.name

@@ -93,13 +93,12 @@ def select_rows(dataset, tokenizer, script_args, kind: str):
     total = len(dataset)
     if script_args.max_tokens:
         answers = [k for k in ("completion", "chosen", "rejected") if k in dataset.column_names]
-
-        def fits(row):
-            prompt = len(tokenizer(row["prompt"])["input_ids"])
-            longest = max(len(tokenizer(row[k], add_special_tokens=False)["input_ids"]) for k in answers)
-            return prompt + longest + 1 <= script_args.max_tokens  # + EOS
-
-        keep = [i for i, row in enumerate(dataset) if fits(row)]
+        prompt = [len(ids) for ids in tokenizer(list(dataset["prompt"]))["input_ids"]]
+        longest = [0] * total
+        for key in answers:  # tokenized in one batched call per column
+            longest = [max(n, len(ids)) for n, ids in
+                       zip(longest, tokenizer(list(dataset[key]), add_special_tokens=False)["input_ids"])]
+        keep = [i for i in range(total) if prompt[i] + longest[i] + 1 <= script_args.max_tokens]  # + EOS
         dataset = dataset.select(keep)
     if script_args.max_rows:
         dataset = dataset.select(range(min(script_args.max_rows, len(dataset))))
@@ -138,12 +137,11 @@ def evaluate_trained_policy(policy, tokenizer, *, toy_seed: int, reward_base: st
 
     from marlhf_edu.models import load_reward_model
     from marlhf_edu.ppo import ScoredPolicy, sample_toy
+    from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.ppo.trainer import toy_metrics
     from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
     world = ToyWorld(ToyWorldConfig(seed=toy_seed))
-    from marlhf_edu.ppo.backends import quiet_loading
-
     with quiet_loading():
         reward, _ = load_reward_model(reward_base, reward_adapter)
     backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer)

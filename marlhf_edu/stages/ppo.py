@@ -33,6 +33,8 @@ def load_prompts(config, tokenizer=None) -> list[str]:
         return [p.prompt for p in ToyWorld(ToyWorldConfig(seed=config.toy_seed)).train_prompts]
     from marlhf_edu.data.formats import BadRowError, hh_rlhf_to_preference, read_rows
 
+    if config.drop_long_prompts and tokenizer is None:
+        raise ConfigError("drop_long_prompts needs the tokenizer to count prompt tokens: load_prompts(config, tokenizer)")
     template = template_for(tokenizer)
     prompts, skipped = [], []
     for i, row in enumerate(read_rows(config.dataset_name, config.dataset_split)):
@@ -53,7 +55,7 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     if config.dataset_format == "hh-rlhf":
         prompts = list(dict.fromkeys(prompts))
     total = len(prompts)
-    if config.drop_long_prompts and tokenizer is not None:
+    if config.drop_long_prompts:
         prompts = [p for p, ids in zip(prompts, tokenizer(prompts)["input_ids"]) if len(ids) <= config.max_prompt_length]
     if config.max_prompts:
         prompts = prompts[:config.max_prompts]

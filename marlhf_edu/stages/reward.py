@@ -129,28 +129,21 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     before = None
     if held_out:  # the untrained score head on the same backbone: the chance-level reference
         trainer.model.eval()
-        before = evaluate_reward_model(trainer.model, tokenizer, held_out, training_args.per_device_eval_batch_size)
+        before = evaluate_reward_model(trainer.model, tokenizer, held_out)
     trainer.train()
     trainer.save_model(training_args.output_dir)
     record_base(training_args.output_dir, model_args.model_name_or_path)
-    metrics = {}
-    if held_out:
-        trainer.model.eval()
-        metrics = evaluate_reward_model(trainer.model, tokenizer, held_out, training_args.per_device_eval_batch_size)
-        summary = {k: v for k, v in metrics.items() if not k.endswith("_scores")}
-        summary["untrained_head_accuracy"] = before["accuracy"]
-        summary["length_baseline"] = length_baseline(tokenizer, held_out)["longer_is_chosen"]
-        metrics.update(untrained_head_accuracy=summary["untrained_head_accuracy"],
-                       length_baseline=summary["length_baseline"])
-        with open(os.path.join(training_args.output_dir, "eval_metrics.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        print("held-out reward model metrics:", json.dumps(summary))
     if script_args.dataset_name == "toy" and script_args.eval_pairs:
         from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
         held_out = ToyWorld(ToyWorldConfig(seed=script_args.toy_seed)).eval_pairs(script_args.eval_pairs)
+    metrics = {}
+    if held_out:
         trainer.model.eval()
         metrics = evaluate_reward_model(trainer.model, tokenizer, held_out)
+        if before is not None:
+            metrics.update(untrained_head_accuracy=before["accuracy"],
+                           length_baseline=length_baseline(tokenizer, held_out)["longer_is_chosen"])
         summary = {k: v for k, v in metrics.items() if not k.endswith("_scores")}
         with open(os.path.join(training_args.output_dir, "eval_metrics.json"), "w") as f:
             json.dump(summary, f, indent=2)
