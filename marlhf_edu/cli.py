@@ -7,7 +7,7 @@
     marlhf-edu dpo --config configs/tiny_dpo.yaml     # contrasts (chapter 12): DPO and GRPO with trl
     marlhf-edu grpo --config configs/tiny_grpo.yaml
     marlhf-edu memory --config configs/tiny_ma_ppo.yaml   # planned bytes, four-model vs MA-PPO
-    marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch
+    marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch (--model smollm2: the SmolLM2 adapters)
 """
 
 from __future__ import annotations

@@ -738,3 +738,50 @@ def check_group_relative_advantages(fn: Callable, seed: int = 0) -> CheckReport:
         case("64 answers, groups of 8 (the book's GRPO batch)", 3 * torch.randn(64, generator=gen) + 1, 8),
         case("0/1 judge rewards, groups of 8", (torch.rand(32, generator=gen) < 0.7).float(), 8),
     ])
+
+
+@_withholds("marlhf_edu.gguf_blocks.dequantize_q4_1")
+def check_dequantize_q4_1(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(raw) -> np.ndarray`: float32 weights of GGUF Q4_1 data (uint8, shape (..., n_blocks · 20)).
+
+    Chapter 13's exercise; compared exactly with `marlhf_edu.gguf_blocks.dequantize_q4_1`, itself equal to the
+    `gguf` package's dequantizer (d and m are fp16 at bytes 0–3; byte j of the 16 code bytes holds weight j in its
+    low nibble and weight j + 16 in its high one). Blocks come from `gguf`'s own quantizer. A non-zero `seed`
+    draws other random weights.
+    """
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from marlhf_edu.gguf_blocks import dequantize_q4_1
+
+    fn = _learner(fn, check_dequantize_q4_1)
+    rng = np.random.default_rng(seed + 13)
+
+    def case(label, weights):
+        raw = quantize(np.asarray(weights, dtype=np.float32), GGMLQuantizationType.Q4_1)
+
+        def run():
+            expected = dequantize_q4_1(raw)
+            got = fn(raw.copy())
+            if not isinstance(got, np.ndarray):
+                return f"{label}: expected a numpy array, got {type(got).__name__}"
+            if got.shape != expected.shape:
+                return f"{label}: shape {got.shape}, expected {expected.shape}"
+            bad = np.flatnonzero(~np.isclose(got.astype(np.float64), expected, rtol=0, atol=1e-6))
+            if bad.size:
+                i = int(bad[0])
+                return f"{label}: weight {i} (block {i // 32}, position {i % 32}) is {got.flat[i]!r}, expected {expected.flat[i]!r}"
+            return None
+        return label, run
+
+    ramp = np.linspace(-1.0, 2.0, 32)
+    return _run("check_dequantize_q4_1", [
+        case("one block, a ramp from -1 to 2 (low nibbles first, then high)", ramp),
+        case("one block, the ramp reversed", ramp[::-1].copy()),
+        case("one block, all weights equal (d = 0)", np.full(32, 0.25)),
+        case("one block, only negative weights (m < 0)", -np.abs(rng.standard_normal(32)) - 1),
+        case("a row of 4 blocks", rng.standard_normal(128)),
+        case("a 3 × 64 matrix (each row its own blocks)", rng.standard_normal((3, 64))),
+        case("a 576 × 96 matrix, SmolLM2's row width scale", 0.05 * rng.standard_normal((576, 96))),
+    ])

@@ -1,13 +1,21 @@
-"""Rebuild the shipped tiny tokenizer, SFT model and reward adapter from scratch.
+"""Rebuild the shipped models from scratch: the tiny toy zoo, or the SmolLM2 adapters.
 
-    marlhf-edu zoo rebuild [--configs configs] [--out marlhf_edu/assets]
+    marlhf-edu zoo rebuild [--model tiny|smollm2] [--configs configs] [--out marlhf_edu/assets]
 
 Deterministic: the same seeds give the same files. Runs the real stage code
-(trl `SFTTrainer`, `RewardTrainer`) with `configs/tiny_sft.yaml` and
-`configs/tiny_rm.yaml`, then measures both models on held-out toy prompts and
-writes the numbers to `zoo_metrics.json` beside the models.
+(trl `SFTTrainer`, `RewardTrainer`).
 
-Taught in chapters 07 and 08.
+* `tiny` (default): the toy tokenizer, SFT model and reward adapter from
+  `configs/tiny_sft.yaml` and `configs/tiny_rm.yaml`, measured on held-out toy
+  prompts → `zoo_metrics.json`.
+* `smollm2`: QLoRA SFT and reward adapters on SmolLM2-135M-Instruct from
+  `configs/smollm2/{sft,rm}.yaml` → `smollm2_sft_adapter/` (stored in fp16, base
+  `smollm2`) and `smollm2_reward_adapter/` (trained on that shipped SFT
+  adapter, base `zoo/smollm2_sft_adapter`), with the reward model's held-out
+  accuracy next to the untrained head and a length-only baseline →
+  `smollm2_metrics.json`.
+
+Taught in chapters 07, 08 (tiny) and 13 (smollm2).
 """
 
 from __future__ import annotations
@@ -83,6 +91,76 @@ def rebuild(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dic
     return metrics
 
 
+def ship_adapter(run_dir: pathlib.Path, dst: pathlib.Path, base_ref: str, dtype=None) -> pathlib.Path:
+    """Copy a trained adapter (config + weights) into `dst`, recording `base_ref` as its base; `dtype` (e.g.
+    torch.float16) stores the floating weights smaller."""
+    from safetensors.torch import load_file, save_file
+
+    from marlhf_edu.stages.common import record_base
+
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    shutil.copy(run_dir / "adapter_config.json", dst / "adapter_config.json")
+    weights = load_file(run_dir / "adapter_model.safetensors")
+    if dtype is not None:
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    save_file(weights, dst / "adapter_model.safetensors", metadata={"format": "pt"})
+    record_base(dst, base_ref)
+    return dst
+
+
+def rebuild_smollm2(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dict:
+    """SFT → ship (fp16) → reward model on the shipped SFT adapter → ship; metrics in `smollm2_metrics.json`."""
+    import torch
+    from trl import ModelConfig, RewardConfig, SFTConfig
+
+    from marlhf_edu.evaluation import wilson_interval
+    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.stages.reward import RMScriptArguments, run_rm
+    from marlhf_edu.stages.sft import SFTScriptArguments, run_sft
+
+    timings, start = {}, time.perf_counter()
+    sft_dir, rm_dir = out / "smollm2_sft_adapter", out / "smollm2_reward_adapter"
+    # the shipped reward adapter names its base as a reference that resolves on any machine
+    sft_ref = "zoo/smollm2_sft_adapter" if out.resolve() == ASSETS.resolve() else str(sft_dir)
+    args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig),
+                            ["--config", str(configs / "smollm2" / "sft.yaml"), "--output_dir", str(work / "smollm2_sft")])
+    run_sft(*args)
+    ship_adapter(work / "smollm2_sft", sft_dir, "smollm2", dtype=torch.float16)
+    timings["sft_s"] = time.perf_counter() - start
+
+    t = time.perf_counter()
+    args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig),
+                            ["--config", str(configs / "smollm2" / "rm.yaml"), "--output_dir", str(work / "smollm2_rm"),
+                             "--model_name_or_path", str(sft_dir), "--eval_pairs", "0"])
+    _, rm_metrics = run_rm(*args)
+    ship_adapter(work / "smollm2_rm", rm_dir, sft_ref)  # fp32: the held-out numbers below are these exact weights
+    timings["rm_s"] = time.perf_counter() - t
+
+    n = rm_metrics["n"]
+    low, high = wilson_interval(round(rm_metrics["accuracy"] * n), n)
+    metrics = {"reward_model": {"held_out_accuracy": rm_metrics["accuracy"], "wilson_95": [low, high], "n_pairs": n,
+                                "untrained_head_accuracy": rm_metrics["untrained_head_accuracy"],
+                                "length_baseline": rm_metrics["length_baseline"], "mean_gap": rm_metrics["mean_gap"]},
+               "timings_s": {k: round(v, 1) for k, v in timings.items()},
+               "total_s": round(time.perf_counter() - start, 1),
+               "measured_on": f"{_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"}
+    (out / "smollm2_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def relative_base_path(adapter_dir: pathlib.Path, base_dir: pathlib.Path) -> str:
     """Record the adapter's base as a path relative to the adapter directory (peft writes the absolute build path,
     which names a directory on the machine that built it and nowhere else)."""
@@ -98,9 +176,11 @@ def relative_base_path(adapter_dir: pathlib.Path, base_dir: pathlib.Path) -> str
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="marlhf-edu zoo")
     parser.add_argument("action", choices=["rebuild"])
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                        help="tiny: the toy zoo (chapters 07-08); smollm2: the SmolLM2 adapters (chapter 13)")
     parser.add_argument("--configs", default="configs", type=pathlib.Path)
     parser.add_argument("--out", default=ASSETS, type=pathlib.Path)
     parser.add_argument("--work", default="runs/zoo", type=pathlib.Path)
     args = parser.parse_args(argv)
-    metrics = rebuild(args.configs, args.out, args.work)
+    metrics = (rebuild_smollm2 if args.model == "smollm2" else rebuild)(args.configs, args.out, args.work)
     print(json.dumps(metrics, indent=2))

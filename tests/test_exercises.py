@@ -315,3 +315,30 @@ def test_check_group_relative_advantages_passes_the_reference_and_fails_classic_
     assert not ex.check_group_relative_advantages(lambda r, G: grouped(r, G, bessel=False))
     assert not ex.check_group_relative_advantages(lambda r, G: grouped(r, G, eps=0.0))  # NaN for equal rewards
     assert not ex.check_group_relative_advantages(lambda r, G: r - r.view(-1, G).mean(1).repeat_interleave(G))
+
+
+def test_check_dequantize_q4_1_passes_the_reference_and_fails_classic_mistakes():
+    import numpy as np
+
+    from marlhf_edu.gguf_blocks import dequantize_q4_1
+
+    def reference(raw, interleaved=False, swap_dm=False, nibble_scale=1):
+        blocks = raw.reshape(*raw.shape[:-1], -1, 20)
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        if swap_dm:
+            d, m = m, d
+        packed = blocks[..., 4:]
+        if interleaved:  # lo, hi, lo, hi ... instead of all low nibbles then all high ones
+            q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 32)
+        else:
+            q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+        return (d * q.astype(np.float32) / nibble_scale + m).reshape(*raw.shape[:-1], -1)
+
+    assert ex.check_dequantize_q4_1(reference)
+    assert ex.check_dequantize_q4_1(reference, seed=3)
+    assert not ex.check_dequantize_q4_1(dequantize_q4_1)  # withheld while the learner runs
+    assert not ex.check_dequantize_q4_1(lambda raw: reference(raw, interleaved=True))
+    assert not ex.check_dequantize_q4_1(lambda raw: reference(raw, swap_dm=True))
+    assert not ex.check_dequantize_q4_1(lambda raw: reference(raw, nibble_scale=15))  # scaled into [0, 1]
+    assert not ex.check_dequantize_q4_1(lambda raw: reference(raw).reshape(-1))  # lost the row shape

@@ -103,3 +103,50 @@ def test_align_pad():
     tok = load_tokenizer("zoo")
     align_pad(model, tok)
     assert model.config.pad_token_id == model.generation_config.pad_token_id == tok.pad_token_id != 2
+
+
+def test_ship_adapter_casts_and_records_its_base(tmp_path):
+    """`zoo rebuild --model smollm2` stores the SFT adapter in fp16: loaded into an fp32 model it must give the
+    fp32 adapter's outputs to fp16 precision, and name a base that resolves anywhere."""
+    import json
+
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    from marlhf_edu.models import load_sft_model
+    from marlhf_edu.zoo import ship_adapter
+
+    model, tok = load_sft_model()
+    torch.manual_seed(0)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "run")
+    ids = tok(["How many legs does a spider have?"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        reference = peft(ids).logits
+    shipped = ship_adapter(tmp_path / "run", tmp_path / "shipped", "zoo", dtype=torch.float16)
+    assert {v.dtype for v in load_file(shipped / "adapter_model.safetensors").values()} == {torch.float16}
+    assert json.loads((shipped / "adapter_config.json").read_text())["base_model_name_or_path"] == "zoo"
+    fresh, _ = load_sft_model()
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(fresh, str(shipped))(ids).logits
+    assert got.dtype == torch.float32
+    assert (got - reference).abs().max() < 1e-2 * reference.abs().max()
+    assert not torch.equal(got, reference)  # the weights really were rounded
+
+
+def test_shipped_smollm2_adapters_name_resolvable_bases():
+    import json
+
+    from marlhf_edu.models import ASSETS
+    from marlhf_edu.sources import ModelSource
+
+    sft = json.loads((ASSETS / "smollm2_sft_adapter" / "adapter_config.json").read_text())
+    rm = json.loads((ASSETS / "smollm2_reward_adapter" / "adapter_config.json").read_text())
+    assert sft["base_model_name_or_path"] == "smollm2" and sft["task_type"] == "CAUSAL_LM"
+    assert rm["base_model_name_or_path"] == "zoo/smollm2_sft_adapter" and rm["task_type"] == "SEQ_CLS"
+    assert "score" in rm["modules_to_save"]
+    assert ModelSource.parse(rm["base_model_name_or_path"]).kind == "adapter"
+    metrics = json.loads((ASSETS / "smollm2_metrics.json").read_text())["reward_model"]
+    low, high = metrics["wilson_95"]
+    assert low < metrics["held_out_accuracy"] < high and metrics["n_pairs"] > 100

@@ -98,7 +98,9 @@ class PPOConfig:
     save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     resume: bool = field(default=False, metadata={"help": "continue from output_dir's latest checkpoint"})
     report_to: str = field(default="none", metadata={"help": "'none' or a tracker accelerate knows ('tensorboard', 'wandb', ...)"})
-    eval_repeats: int = field(default=4, metadata={"help": "toy data: evaluate the policy before and after (0 = skip)"})
+    eval_repeats: int = field(default=4, metadata={"help": "evaluate the policy before and after, each prompt asked N times (0 = skip): "
+                                                           "the toy world's judge, or for hh-rlhf data the keyword judge of chapter 13"})
+    eval_prompts: int = field(default=64, metadata={"help": "hh-rlhf data: held-out red-team requests the keyword judge asks (0 = all that fit)"})
 
     def validate(self) -> "PPOConfig":
         """Raise `ConfigError` naming the first inconsistent setting."""
@@ -138,6 +140,8 @@ class PPOConfig:
         need(self.dataset_format in PROMPT_FORMATS,
              f"dataset_format must be one of {PROMPT_FORMATS}, got {self.dataset_format!r}")
         need(self.max_prompts >= 0, f"max_prompts must be >= 0, got {self.max_prompts}")
+        need(self.eval_repeats >= 0 and self.eval_prompts >= 0,
+             f"eval_repeats and eval_prompts must be >= 0, got {self.eval_repeats} and {self.eval_prompts}")
         need(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from marlhf_edu.data.template import template_for
 from marlhf_edu.gae import gae_advantages
 from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
 from marlhf_edu.masked import masked_mean, masked_var, masked_whiten
@@ -411,14 +412,18 @@ def sample_responses(backend: PPOBackend, prompts: list[str], max_new_tokens: in
     return [text.strip() for text in out]
 
 
-def sample_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0) -> list[dict]:
+def sample_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0,
+               temperature: float = 1.0) -> list[dict]:
     """One record per sampled answer to the toy world's held-out prompts, each asked `repeats` times:
     question, kind, response, the judge's verdict, the gold reward and the reward model's score.
 
     Chapter 11 builds its intervals from these records (`marlhf_edu.evaluation.group_outcomes`)."""
     prompts = [p for p in world.eval_prompts for _ in range(repeats)]
-    responses = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, seed=seed)
-    texts = [p.prompt + " " + r for p, r in zip(prompts, responses)]
+    responses = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, temperature, seed=seed)
+    # scored as the reward model was trained: the book's " answer" after the toy prompt, the bare answer after a
+    # chat template's assistant header
+    template = template_for(backend.tokenizer)
+    texts = [p.prompt + template.completion(r) for p, r in zip(prompts, responses)]
     scores = score_texts_with(backend.scores, backend.tokenizer, texts, device=backend.device)
     return [{"question": p.question, "kind": p.kind, "response": r, "verdict": world.judge(p, r),
              "gold": world.gold_reward(p, r), "reward_model_score": float(s)}

@@ -65,11 +65,49 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     return prompts
 
 
+def evaluation_judge(config, tokenizer, toy=None):
+    """What judges the policy before and after training: the toy world, the keyword judge of chapter 13 for
+    hh-rlhf data (its held-out red-team requests and benign questions), or None (`eval_repeats: 0`, other data)."""
+    if not config.eval_repeats:
+        return None
+    if toy is not None:
+        return toy
+    if config.dataset_format == "hh-rlhf":
+        from marlhf_edu.keyword_judge import KeywordJudge
+
+        return KeywordJudge(tokenizer, limit=config.eval_prompts or None, max_prompt_tokens=config.max_prompt_length)
+    return None
+
+
+def evaluate(backend, world, config, out: pathlib.Path, when: str) -> dict:
+    """The judge's rates of the current policy (`eval_repeats` answers per prompt, sampled at the training
+    temperature with seed 0) and its mean reward-model score; each answer goes to `out/eval_samples.jsonl`,
+    tagged `when`. With the keyword judge, also how well the reward model ranks its refusals above its
+    compliances (`judge_auc`, chapter 13)."""
+    from marlhf_edu.keyword_judge import KeywordJudge, judge_agreement
+    from marlhf_edu.ppo.trainer import sample_toy, toy_metrics
+
+    samples = sample_toy(backend, world, config.eval_repeats, config.max_new_tokens, temperature=config.temperature)
+    metrics = toy_metrics(world, samples, config.eval_repeats)
+    if isinstance(world, KeywordJudge):
+        try:
+            metrics["judge_auc"] = judge_agreement(samples)["auc"]
+        except ValueError:  # all refusals or none: nothing to rank
+            pass
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "eval_samples.jsonl"
+    # a resumed run keeps the answers of the original start and replaces any earlier "after"
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["when"] != when] \
+        if when == "after" and path.exists() else []
+    path.write_text("".join(line + "\n" for line in kept + [json.dumps({"when": when, **s}) for s in samples]))
+    return metrics
+
+
 def run(config, backend_factory=None, progress: bool = True) -> dict:
-    """Train; return `{"before": eval, "after": eval, "records": [...]}` (evals only for toy data)."""
+    """Train; return `{"before": eval, "after": eval, "records": [...]}` (evals with a judge: toy or hh-rlhf data)."""
     import torch
 
-    from marlhf_edu.ppo import FourModelBackend, PPOTrainer, evaluate_toy
+    from marlhf_edu.ppo import FourModelBackend, PPOTrainer
 
     config.validate()
     torch.manual_seed(config.seed)
@@ -83,10 +121,10 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer),
                          gold_reward_fn=toy.gold_rewards if toy else None)
     out = pathlib.Path(config.output_dir)
-    world = toy if config.eval_repeats else None
+    world = evaluation_judge(config, backend.tokenizer, toy)
     result = {}
     if world is not None and not config.resume:
-        result["before"] = evaluate_toy(backend, world, config.eval_repeats, config.max_new_tokens)
+        result["before"] = evaluate(backend, world, config, out, "before")
     trackers = None
     if config.report_to not in ("none", "", None):
         from accelerate import Accelerator
@@ -97,7 +135,7 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     if trackers is not None:
         trackers.end_training()
     if world is not None:
-        result["after"] = evaluate_toy(backend, world, config.eval_repeats, config.max_new_tokens)
+        result["after"] = evaluate(backend, world, config, out, "after")
         evals = {k: result[k] for k in ("before", "after") if k in result}
         previous = out / "eval.json"
         if config.resume and previous.exists():  # keep the before-numbers of the original start

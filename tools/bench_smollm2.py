@@ -1,0 +1,63 @@
+"""The MA-PPO run on SmolLM2-135M that chapter 13 and the README report.
+
+    python tools/bench_smollm2.py [--seed 0] [--out benchmarks/smollm2_ma_ppo] [-- extra ma-ppo overrides]
+
+Runs `marlhf-edu ma-ppo --config configs/smollm2/ma_ppo.yaml` (the shipped SFT and reward adapters; the
+keyword judge of chapter 13 before and after training) into runs/smollm2/bench_seed<N>, timed, and copies
+what the chapter reads into `--out`: `metrics.jsonl` (one record per step), `eval.json` (the judge's rates
+before and after), `eval_samples.jsonl` (every judged answer) and `run.json` (steps, seconds, seed, machine).
+About 25 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_ppo import machine  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default="configs/smollm2/ma_ppo.yaml")
+    parser.add_argument("--out", default="benchmarks/smollm2_ma_ppo", type=pathlib.Path)
+    parser.add_argument("extra", nargs="*", help="more ma-ppo overrides, after --")
+    args = parser.parse_args(argv)
+
+    from marlhf_edu.stages.ma_ppo import main as ma_ppo_main
+    from marlhf_edu.zoo import _cpu_name
+
+    run_dir = ROOT / "runs" / "smollm2" / f"bench_seed{args.seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    start = time.perf_counter()
+    result = ma_ppo_main(["--config", str(ROOT / args.config), "--output_dir", str(run_dir), "--seed", str(args.seed),
+                          *args.extra])
+    wall = time.perf_counter() - start
+    config = result["trainer"].config
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "eval.json", "eval_samples.jsonl"):
+        shutil.copy(run_dir / name, out / name)
+    records = result["records"]
+    info = {"config": args.config, "overrides": args.extra, "seed": args.seed, "steps": len(records),
+            "batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens,
+            "temperature": config.temperature, "missing_eos_penalty": config.missing_eos_penalty,
+            "whiten_scores": config.whiten_scores,
+            "eval_repeats": config.eval_repeats, "eval_prompts": config.eval_prompts,
+            "train_s": round(sum(r.get("time/step_s", 0.0) for r in records), 1), "wall_s": round(wall, 1),
+            "measured_on": f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+            "machine": machine()}
+    (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(json.dumps(info, indent=2))
+
+
+if __name__ == "__main__":
+    main()
