@@ -344,7 +344,10 @@ def cmd_assignments(names: list[str] | None, root: pathlib.Path = COURSE) -> lis
         nbformat.write(nb, folder / f"{stem}.ipynb")
         for rel in sorted(files):
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(ROOT / rel, folder / rel)
+            if (ROOT / rel).is_dir():  # a run's folder of stored results (chapter 13)
+                shutil.copytree(ROOT / rel, folder / rel, dirs_exist_ok=True)
+            else:
+                shutil.copy(ROOT / rel, folder / rel)
         nbgrader("generate_assignment", stem, "--force", root=root)
         built.append(stem)
         print(f"{(root / 'release' / stem).relative_to(root.parent)}/: released"
