@@ -20,6 +20,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
+def last_token_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, H) final hidden state at each row's last real token, from the backbone of a sequence-classification
+    model (plain or peft-wrapped): what its score head reads."""
+    seqcls = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(seqcls, seqcls.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows, last_valid_index(attention_mask)]
+
+
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scores (B,) of a sequence-classification reward model (plain or peft-wrapped).
 
@@ -28,12 +39,7 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     head to those B vectors only.
     """
     seqcls = model.get_base_model() if hasattr(model, "get_base_model") else model
-    backbone = getattr(seqcls, seqcls.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    last = hidden[rows, last_valid_index(attention_mask)]
-    return seqcls.score(last).squeeze(-1).float()
+    return seqcls.score(last_token_hidden(model, input_ids, attention_mask)).squeeze(-1).float()
 
 
 @torch.no_grad()

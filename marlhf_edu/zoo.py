@@ -106,6 +106,10 @@ def ship_adapter(run_dir: pathlib.Path, dst: pathlib.Path, base_ref: str, dtype=
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     save_file(weights, dst / "adapter_model.safetensors", metadata={"format": "pt"})
     record_base(dst, base_ref)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    if isinstance(config.get("target_modules"), list):  # peft writes a set, in hash order: sorted, a rebuild diffs clean
+        config["target_modules"] = sorted(config["target_modules"])
+        (dst / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dst
 
 
@@ -141,7 +145,9 @@ def rebuild_smollm2(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path
     low, high = wilson_interval(round(rm_metrics["accuracy"] * n), n)
     metrics = {"reward_model": {"held_out_accuracy": rm_metrics["accuracy"], "wilson_95": [low, high], "n_pairs": n,
                                 "untrained_head_accuracy": rm_metrics["untrained_head_accuracy"],
-                                "length_baseline": rm_metrics["length_baseline"], "mean_gap": rm_metrics["mean_gap"]},
+                                "length_baseline": rm_metrics["length_baseline"], "mean_gap": rm_metrics["mean_gap"],
+                                **{k: rm_metrics[k] for k in ("probe_accuracy", "probe_l2", "probe_cv_accuracy")
+                                   if k in rm_metrics}},
                "timings_s": {k: round(v, 1) for k, v in timings.items()},
                "total_s": round(time.perf_counter() - start, 1),
                "measured_on": f"{_cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"}

@@ -151,3 +151,22 @@ def test_sample_toy_scores_chat_answers_without_a_space():
     sample_toy(backend, World(), repeats=1, temperature=0.7)
     assert "PROMPT:Paris" in backend.texts[0]  # a chat model: the bare answer after the header
     assert backend.temperature == 0.7
+
+
+def test_best_of_n_rates_is_within_prompt():
+    from marlhf_edu.keyword_judge import best_of_n_rates
+
+    # prompt 0: the refusal scores highest; prompt 1: lowest; prompt 2: no refusal at all (no within-prompt pair)
+    scores = [[0.0, 3.0, 1.0], [5.0, 4.0, -1.0], [9.0, 8.0, 7.0]]
+    refused = [[False, True, False], [False, False, True], [False, False, False]]
+    rates = best_of_n_rates(scores, refused)
+    assert rates["single"] == 2 / 9 and rates["best"] == 1 / 3 and rates["worst"] == 1 / 3
+    assert rates["n_pairs"] == 4 and rates["within_prompt_auc"] == 0.5  # 2 of 4 pairs won
+    # a scorer that prefers refusals only *across* prompts: every score of prompt 2 is highest, within prompts
+    # the refusal always loses; judge_agreement's cross-prompt AUC would call it good, this does not
+    across = best_of_n_rates([[2.0, 1.0], [4.0, 3.0]], [[False, True], [False, True]])
+    assert across["within_prompt_auc"] == 0.0 and across["best"] == 0.0 and across["worst"] == 1.0
+    tied = best_of_n_rates([[1.0, 1.0]], [[True, False]])
+    assert tied["within_prompt_auc"] == 0.5
+    with pytest.raises(ValueError, match=r"\(P, N\)"):
+        best_of_n_rates([1.0, 2.0], [True, False])

@@ -119,14 +119,17 @@ def test_ship_adapter_casts_and_records_its_base(tmp_path):
 
     model, tok = load_sft_model()
     torch.manual_seed(0)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj", "o_proj"],
+                                            init_lora_weights=False))
     peft.save_pretrained(tmp_path / "run")
     ids = tok(["How many legs does a spider have?"], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         reference = peft(ids).logits
     shipped = ship_adapter(tmp_path / "run", tmp_path / "shipped", "zoo", dtype=torch.float16)
     assert {v.dtype for v in load_file(shipped / "adapter_model.safetensors").values()} == {torch.float16}
-    assert json.loads((shipped / "adapter_config.json").read_text())["base_model_name_or_path"] == "zoo"
+    config = json.loads((shipped / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "zoo"
+    assert config["target_modules"] == ["o_proj", "q_proj", "v_proj"]  # sorted, not peft's set order
     fresh, _ = load_sft_model()
     with torch.no_grad():
         got = PeftModel.from_pretrained(fresh, str(shipped))(ids).logits

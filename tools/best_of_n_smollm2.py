@@ -1,16 +1,24 @@
-"""Can the shipped SmolLM2 reward model select refusals at all? Best-of-N against worst-of-N, before any PPO.
+"""Can a SmolLM2 reward model select refusals at all? Best-of-N against worst-of-N, before any PPO.
 
-    python tools/best_of_n_smollm2.py [--n 16] [--requests 64]   # -> benchmarks/smollm2_best_of_n.json
+    python tools/best_of_n_smollm2.py [--reward zoo/smollm2_reward_adapter] [--n 16] [--requests 64]
+        # -> benchmarks/smollm2_best_of_n.json (+ the samples, benchmarks/smollm2_best_of_n_samples.jsonl.gz)
 
 The SFT model (the shipped SFT adapter merged into SmolLM2, fp32) samples N answers at T = 0.7 (seed 0) to each
-held-out red-team request of `KeywordJudge`; the shipped reward model (fp32 base) scores them in batches. If the
-answer it likes best refuses no more often than the one it likes least, it does not prefer refusals within a
-prompt, and PPO against it cannot be expected to raise them (README, chapter 13). About 6 minutes on 2 cores.
+held-out red-team request of `KeywordJudge`, once: the samples are stored and reused, so every reward model is
+judged on the same answers. The reward model (fp32 base) scores them in batches, and
+`keyword_judge.best_of_n_rates` says whether the answer it likes best refuses more often than one sample does.
+If not, PPO against it cannot be expected to raise refusals (README, chapter 13). Sampling takes about
+4 minutes on 2 cores, scoring about 2.
+
+The stored samples were drawn from the SFT adapter as shipped at commit 5f64dd1; `zoo rebuild` on another CPU
+then rewrote it with every weight within 3e-5 of the old one (fp16 rounding of the same training run). Delete
+the file to draw them again from the adapter shipped now.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import pathlib
 import sys
@@ -21,38 +29,58 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_ppo import machine  # noqa: E402
 
+SFT = "zoo/smollm2_sft_adapter"
+
+
+def sample(n: int, requests: int, path: pathlib.Path) -> list[dict]:
+    from marlhf_edu.generation import generate_responses
+    from marlhf_edu.keyword_judge import KeywordJudge
+    from marlhf_edu.models import load_sft_model
+
+    policy, tokenizer = load_sft_model(SFT)
+    harmful = [p for p in KeywordJudge(tokenizer, limit=requests).eval_prompts if p.harmful]
+    prompts = [p.prompt for p in harmful for _ in range(n)]
+    answers = generate_responses(policy, tokenizer, prompts, max_new_tokens=48, temperature=0.7, seed=0)
+    rows = [{"request": i // n, "prompt": p, "response": a, "refused": KeywordJudge.is_refusal(a)}
+            for i, (p, a) in enumerate(zip(prompts, answers))]
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reward", default="zoo/smollm2_reward_adapter")
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--samples", default="benchmarks/smollm2_best_of_n_samples.jsonl.gz", type=pathlib.Path)
     parser.add_argument("--out", default="benchmarks/smollm2_best_of_n.json", type=pathlib.Path)
     args = parser.parse_args(argv)
 
     import torch
 
-    from marlhf_edu.generation import generate_responses
-    from marlhf_edu.keyword_judge import KeywordJudge
-    from marlhf_edu.models import load_reward_model, load_sft_model
+    from marlhf_edu.keyword_judge import best_of_n_rates
+    from marlhf_edu.models import load_reward_model
     from marlhf_edu.scoring import score_texts
 
     start = time.perf_counter()
-    policy, tokenizer = load_sft_model("zoo/smollm2_sft_adapter")
-    reward_model, reward_tokenizer = load_reward_model("zoo/smollm2_sft_adapter", "zoo/smollm2_reward_adapter")
-    harmful = [p for p in KeywordJudge(tokenizer, limit=args.requests).eval_prompts if p.harmful]
-    prompts = [p.prompt for p in harmful for _ in range(args.n)]
-    answers = generate_responses(policy, tokenizer, prompts, max_new_tokens=48, temperature=0.7, seed=0)
-    scores = score_texts(reward_model, reward_tokenizer, [p + a for p, a in zip(prompts, answers)],
-                         batch_size=32).view(len(harmful), args.n)
-    refused = torch.tensor([KeywordJudge.is_refusal(a) for a in answers]).view(len(harmful), args.n).float()
-    rows = torch.arange(len(harmful))
-    result = {"n_requests": len(harmful), "n": args.n, "temperature": 0.7, "seed": 0,
-              "single_sample_refusal": refused.mean().item(),
-              "best_of_n_refusal": refused[rows, scores.argmax(1)].mean().item(),
-              "worst_of_n_refusal": refused[rows, scores.argmin(1)].mean().item(),
-              "seconds": round(time.perf_counter() - start, 1), "machine": machine()}
-    (ROOT / args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    path = ROOT / args.samples
+    rows = [json.loads(line) for line in gzip.open(path, "rt")] if path.exists() else sample(args.n, args.requests, path)
+    n_requests = rows[-1]["request"] + 1
+    if len(rows) != n_requests * args.n:
+        raise SystemExit(f"{path} holds {len(rows)} samples, not {args.n} for each of {n_requests} requests: "
+                         f"delete it to sample again")
+    sampled = time.perf_counter() - start
+    reward_model, reward_tokenizer = load_reward_model(SFT, args.reward)
+    scores = score_texts(reward_model, reward_tokenizer, [r["prompt"] + r["response"] for r in rows], batch_size=32)
+    refused = torch.tensor([r["refused"] for r in rows])
+    rates = best_of_n_rates(scores.view(n_requests, args.n), refused.view(n_requests, args.n))
+    result = {"reward_model": args.reward, "temperature": 0.7, "seed": 0, "samples": str(args.samples), **rates,
+              "scores": [round(s, 4) for s in scores.tolist()],
+              "seconds": {"sampling": round(sampled, 1), "scoring": round(time.perf_counter() - start - sampled, 1)},
+              "machine": machine()}
+    (ROOT / args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "scores"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ class RMScriptArguments(DataArguments):
                                                            "fresh; other data: the first N of eval_split)"})
     eval_split: str = field(default="", metadata={"help": "held-out split of a dataset, scored before and after "
                                                           "training, with a length-only baseline; empty = none"})
+    score_head_init: str = field(default="random", metadata={"help": "'random' (the new head as transformers "
+                                                                      "makes it) or 'probe': fit it first on the "
+                                                                      "frozen backbone's features (LP-FT, "
+                                                                      "marlhf_edu.reward_probe)"})
 
 
 def load_preference_data(script_args, tokenizer=None, split: str | None = None):
@@ -101,6 +105,8 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
                                          torch_dtype)
 
     peft_config = get_peft_config(model_args)
+    if script_args.score_head_init not in ("random", "probe"):
+        raise ConfigError(f"score_head_init must be 'random' or 'probe', got {script_args.score_head_init!r}")
     if peft_config is not None:
         if str(peft_config.task_type) != "SEQ_CLS":
             raise ConfigError(f"lora_task_type must be SEQ_CLS for a reward model, got {peft_config.task_type}")
@@ -122,14 +128,22 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
         **({"dtype": dtype} if dtype else {}))
     align_pad(model, tokenizer)  # the score is read at the last non-pad token: pad must not be EOS
     keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 10)
+    before = probe = probe_eval = None
+    if held_out:  # the untrained score head on the same backbone: the chance-level reference
+        model.eval()
+        before = evaluate_reward_model(model, tokenizer, held_out)
+    if script_args.score_head_init == "probe":  # before peft wraps the model, so `score`'s trained copy starts here
+        from marlhf_edu.reward_probe import probe_score_head
+
+        probe = probe_score_head(model, tokenizer, dataset.to_list())
+        print(f"score head probed on {len(dataset)} pairs: L2 {probe.l2:g} (cross-validated), "
+              f"train accuracy {probe.train_accuracy:.3f}")
+        if held_out:
+            probe_eval = evaluate_reward_model(model, tokenizer, held_out)
     trainer = RewardTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config)
     if dtype is torch.float32:
         keep_trainable_dtype(trainer.model)  # trl casts QLoRA's trainable weights to bf16 (marlhf_edu.quantization)
-    before = None
-    if held_out:  # the untrained score head on the same backbone: the chance-level reference
-        trainer.model.eval()
-        before = evaluate_reward_model(trainer.model, tokenizer, held_out)
     trainer.train()
     trainer.save_model(training_args.output_dir)
     record_base(training_args.output_dir, model_args.model_name_or_path)
@@ -144,6 +158,9 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
         if before is not None:
             metrics.update(untrained_head_accuracy=before["accuracy"],
                            length_baseline=length_baseline(tokenizer, held_out)["longer_is_chosen"])
+        if probe_eval is not None:
+            metrics.update(probe_accuracy=probe_eval["accuracy"], probe_l2=probe.l2,
+                           probe_cv_accuracy={f"{k:g}": v for k, v in probe.cv_accuracy.items()})
         summary = {k: v for k, v in metrics.items() if not k.endswith("_scores")}
         with open(os.path.join(training_args.output_dir, "eval_metrics.json"), "w") as f:
             json.dump(summary, f, indent=2)
