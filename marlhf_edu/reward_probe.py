@@ -81,7 +81,6 @@ def fit_bradley_terry_head(chosen: torch.Tensor, rejected: torch.Tensor, l2_grid
                     cv_accuracy=cv)
 
 
-@torch.no_grad()
 def probe_score_head(model, tokenizer, pairs: list[dict], batch_size: int = 32, **fit_kwargs) -> ProbeFit:
     """Fit the `score` head of a sequence-classification `model` on preference `pairs` (prompt, chosen, rejected)
     with its backbone frozen, and copy the weight in. Features are read exactly as `sequence_scores` reads them
@@ -96,10 +95,11 @@ def probe_score_head(model, tokenizer, pairs: list[dict], batch_size: int = 32, 
         return score_texts_with(lambda ids, mask: last_token_hidden(model, ids, mask), tokenizer,
                                 [p["prompt"] + p[key] for p in pairs], batch_size, device=device)
 
-    fit = fit_bradley_terry_head(features("chosen"), features("rejected"), **fit_kwargs)
+    fit = fit_bradley_terry_head(features("chosen"), features("rejected"), **fit_kwargs)  # features: no grad
     score = (model.get_base_model() if hasattr(model, "get_base_model") else model).score
-    score.weight.copy_(fit.weight.view_as(score.weight).to(score.weight))
-    if getattr(score, "bias", None) is not None:
-        score.bias.zero_()
+    with torch.no_grad():
+        score.weight.copy_(fit.weight.view_as(score.weight).to(score.weight))
+        if getattr(score, "bias", None) is not None:
+            score.bias.zero_()
     model.train(was_training)
     return fit

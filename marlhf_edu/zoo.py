@@ -100,16 +100,15 @@ def ship_adapter(run_dir: pathlib.Path, dst: pathlib.Path, base_ref: str, dtype=
 
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
-    shutil.copy(run_dir / "adapter_config.json", dst / "adapter_config.json")
+    config = json.loads((run_dir / "adapter_config.json").read_text())
+    if isinstance(config.get("target_modules"), list):  # peft writes a set, in hash order: sorted, a rebuild diffs clean
+        config["target_modules"] = sorted(config["target_modules"])
+    (dst / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weights = load_file(run_dir / "adapter_model.safetensors")
     if dtype is not None:
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
     save_file(weights, dst / "adapter_model.safetensors", metadata={"format": "pt"})
     record_base(dst, base_ref)
-    config = json.loads((dst / "adapter_config.json").read_text())
-    if isinstance(config.get("target_modules"), list):  # peft writes a set, in hash order: sorted, a rebuild diffs clean
-        config["target_modules"] = sorted(config["target_modules"])
-        (dst / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return dst
 
 

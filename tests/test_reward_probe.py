@@ -77,11 +77,14 @@ def test_stage_trains_from_the_probed_head(tmp_path):
     """`score_head_init: probe` in the stage: the head peft saves starts at the probe's fit (learning rate 0 keeps
     it there), and a random init does not."""
     from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
     from trl import ModelConfig, RewardConfig
 
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.sources import align_pad
     from marlhf_edu.stages.common import parse_stage_args
     from marlhf_edu.stages.reward import RMScriptArguments, run_rm
+    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
     def saved_head(init, out):
         args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig), [
@@ -92,16 +95,9 @@ def test_stage_trains_from_the_probed_head(tmp_path):
         weights = load_file(out / "adapter_model.safetensors")
         return next(v for k, v in weights.items() if "score" in k)
 
-    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
-
     probed = saved_head("probe", tmp_path / "probe")
     random_ = saved_head("random", tmp_path / "random")
     # refit on the same 64 pairs, independently of the stage
-    from transformers import AutoModelForSequenceClassification
-
-    from marlhf_edu.models import load_tokenizer
-    from marlhf_edu.sources import align_pad
-
     tokenizer = load_tokenizer(SFT_DIR)
     model = align_pad(AutoModelForSequenceClassification.from_pretrained(SFT_DIR, num_labels=1), tokenizer)
     pairs = ToyWorld(ToyWorldConfig(seed=0)).preference_dataset().select(range(64)).to_list()

@@ -7,8 +7,8 @@ The SFT model (the shipped SFT adapter merged into SmolLM2, fp32) samples N answ
 held-out red-team request of `KeywordJudge`, once: the samples are stored and reused, so every reward model is
 judged on the same answers. The reward model (fp32 base) scores them in batches, and
 `keyword_judge.best_of_n_rates` says whether the answer it likes best refuses more often than one sample does.
-If not, PPO against it cannot be expected to raise refusals (README, chapter 13). Sampling takes about
-4 minutes on 2 cores, scoring about 2.
+If not, PPO against it cannot be expected to raise refusals (README, chapter 13). Drawing and scoring took
+375 s on 2 cores (AMD EPYC, commit 5f64dd1); scoring the stored samples alone takes about 100 s.
 
 The stored samples were drawn from the SFT adapter as shipped at commit 5f64dd1; `zoo rebuild` on another CPU
 then rewrote it with every weight within 3e-5 of the old one (fp16 rounding of the same training run). Delete
