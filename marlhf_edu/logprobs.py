@@ -68,14 +68,16 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
             f"logprobs_from_logits: expected logits (B, T, V) and labels (B, T), "
             f"got {tuple(logits.shape)} and {tuple(labels.shape)}"
         )
-    check_no_nan("logprobs_from_logits", "logits", logits)
     vocab = logits.shape[-1]
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
         raise ValueError(f"logprobs_from_logits: labels must lie in [0, {vocab}), got range "
                          f"[{int(labels.min())}, {int(labels.max())}]")
     B, T, V = logits.shape
-    flat = _LabelLogProb.apply(logits.reshape(B * T, V), labels.reshape(B * T).long())
-    return flat.view(B, T)
+    out = _LabelLogProb.apply(logits.reshape(B * T, V), labels.reshape(B * T).long()).view(B, T)
+    # a NaN logit makes its row's log-sum-exp NaN: checking the (B, T) result finds every such position without a
+    # (B, T, V) scan of the logits on every call of the hot loop
+    check_no_nan("logprobs_from_logits", "logits", out)
+    return out
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     if logits.dim() != 3:
         raise ValueError(f"entropy_from_logits: expected logits (B, T, V), got {tuple(logits.shape)}")
-    check_no_nan("entropy_from_logits", "logits", logits)
     B, T, V = logits.shape
     flat = logits.reshape(B * T, V)
     parts = []
@@ -100,4 +101,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(z, dim=-1)
         # a logit of -inf (a banned token) has p = 0 and contributes 0, not 0 * -inf = NaN
         parts.append(torch.logsumexp(z, dim=-1) - (probs * torch.where(probs > 0, z, 0.0)).sum(-1))
-    return torch.cat(parts).view(B, T) if parts else flat.new_zeros(B, T, dtype=torch.float32)
+    out = torch.cat(parts).view(B, T) if parts else flat.new_zeros(B, T, dtype=torch.float32)
+    check_no_nan("entropy_from_logits", "logits", out)  # a NaN logit makes its position's entropy NaN
+    return out

@@ -53,8 +53,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="labels must lie"):
         logprobs_from_logits(torch.randn(1, 2, 5), torch.tensor([[0, 5]]))
     bad = torch.randn(1, 2, 5); bad[0, 1, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        logprobs_from_logits(bad, torch.zeros(1, 2, dtype=torch.long))
+    # the check reads the (B, T) result, not the (B, T, V) logits: it still names the position of the bad row
+    with pytest.raises(ValueError, match=r"`logits` contains NaN at 1 position\(s\), first at index \(0, 1\)"):
+        logprobs_from_logits(bad, torch.zeros(1, 2, dtype=torch.long))  # the label (0) is not the NaN entry
+    with pytest.raises(ValueError, match=r"`logits` contains NaN at 1 position\(s\), first at index \(0, 1\)"):
+        entropy_from_logits(bad)
 
 
 def test_entropy_matches_categorical(gen, monkeypatch):

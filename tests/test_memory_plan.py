@@ -157,8 +157,12 @@ TINY = dict(batch_size=16, mini_batch_size=16, micro_batch_size=8, forward_batch
     (MultiAdapterBackend, {"value_mode": "adapter", "actor_lora_r": 4}),  # fp32 base
     (FourModelBackend, {"gradient_checkpointing": True}),
     (MultiAdapterBackend, {"value_mode": "adapter", "load_in_4bit": True, "gradient_checkpointing": True}),
+    (FourModelBackend, {"critic": "shared_head"}),                      # trl 0.11's value head on the actor
+    (FourModelBackend, {"critic": "shared_head", "actor_lora_r": 8, "merged_rollout": True}),
+    (MultiAdapterBackend, {"value_mode": "shared", "load_in_4bit": True, "merged_rollout": True}),
 ], ids=["four-full", "four-lora", "ma-shared-nf4", "ma-adapter-nf4", "ma-adapter-nf4-plain", "ma-adapter-fp32",
-        "four-full-ckpt", "ma-adapter-nf4-ckpt"])
+        "four-full-ckpt", "ma-adapter-nf4-ckpt", "four-shared-head", "four-shared-head-lora-merged",
+        "ma-shared-nf4-merged"])
 def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backend_cls, overrides):
     config = PPOConfig(output_dir=str(tmp_path), **{**TINY, **overrides})
     torch.manual_seed(0)

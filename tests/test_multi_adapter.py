@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from conftest import build_trainer
 
 from marlhf_edu.models import REWARD_ADAPTER_DIR, load_reward_model, load_sft_model
-from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
+from marlhf_edu.ppo import FourModelBackend, PPOConfig
 from marlhf_edu.ppo.backends import sequence_logprobs
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend, load_score_head
 from marlhf_edu.scoring import sequence_scores
@@ -14,16 +15,8 @@ SMALL = dict(batch_size=8, mini_batch_size=8, micro_batch_size=4, forward_batch_
              actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-3)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    return [p.prompt for p in ToyWorld().train_prompts]
-
-
 def build(tmp_path, backend_cls, prompts, **overrides):
-    config = PPOConfig(output_dir=str(tmp_path / backend_cls.__name__), **{**SMALL, **overrides})
-    torch.manual_seed(0)
-    backend = backend_cls.from_config(config)
-    return PPOTrainer(backend, config, prompts)
+    return build_trainer(tmp_path, backend_cls, prompts, SMALL, **overrides)
 
 
 def test_first_minibatch_matches_four_model_ppo_with_a_shared_head(tmp_path, prompts):

@@ -139,6 +139,24 @@ def test_missing_eos_penalty_and_score_transforms(tmp_path, prompts):
     assert abs(float(whitened.mean())) < 1e-6 and float(whitened.std()) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_rollouts_per_prompt_and_leave_one_out_baseline(tmp_path, prompts):
+    trainer = make_trainer(tmp_path, prompts, rollouts_per_prompt=4, group_baseline=True)
+    batch = trainer.batch_prompts(0)
+    assert len(batch) == 8 and batch[:4] == [batch[0]] * 4 and batch[4:] == [batch[4]] * 4 and batch[0] != batch[4]
+    # two prompts a step, in the same seeded order as without groups: step 1 takes the next two
+    plain = make_trainer(tmp_path / "plain", prompts)
+    assert [batch[0], batch[4]] + trainer.batch_prompts(1)[::4] == plain.batch_prompts(0)[:4]
+    raw = torch.tensor([1.0, 2.0, 3.0, 6.0, 0.0, 0.0, 0.0, 4.0])
+    scores = trainer.transform_scores(raw, torch.ones(8, dtype=torch.bool))
+    expected = [1 - 11 / 3, 2 - 10 / 3, 3 - 3, 6 - 2, -4 / 3, -4 / 3, -4 / 3, 4]
+    assert scores.tolist() == pytest.approx(expected, abs=1e-6)
+    # the prompt-level offset is gone: shifting one prompt's scores changes nothing
+    shifted = raw + torch.tensor([100.0] * 4 + [0.0] * 4)
+    assert trainer.transform_scores(shifted, torch.ones(8, dtype=torch.bool)).tolist() == pytest.approx(expected, abs=1e-4)
+    record = trainer.step()  # the whole loop runs on groups
+    assert record["ppo/skipped_minibatches"] == 0
+
+
 def test_early_stopping_checks_once_per_epoch_like_trl(tmp_path, prompts):
     trainer = make_trainer(tmp_path, prompts, ppo_epochs=4, early_stopping=True, early_stopping_target_kl=1e-12)
     record = trainer.step()
@@ -241,6 +259,8 @@ def test_critic_can_start_as_the_reward_model(tmp_path, prompts):
     (dict(top_p=0.9), "top_p=0.9"),
     (dict(early_stopping_check="step"), "early_stopping_check"),
     (dict(critic_init="sft"), "critic_init"),
+    (dict(rollouts_per_prompt=3), "multiple of rollouts_per_prompt"),
+    (dict(group_baseline=True), "group_baseline compares the answers to one prompt"),
 ])
 def test_bad_config_values(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

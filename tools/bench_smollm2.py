@@ -51,6 +51,8 @@ def main(argv=None):
             "batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens,
             "temperature": config.temperature, "missing_eos_penalty": config.missing_eos_penalty,
             "whiten_scores": config.whiten_scores, "kl_coef": config.kl_coef, "learning_rate": config.learning_rate,
+            "ppo_epochs": config.ppo_epochs, "rollouts_per_prompt": config.rollouts_per_prompt,
+            "group_baseline": config.group_baseline,
             "reward_adapter_path": config.reward_adapter_path,
             "eval_repeats": config.eval_repeats, "eval_prompts": config.eval_prompts,
             "train_s": round(sum(r.get("time/step_s", 0.0) for r in records), 1), "wall_s": round(wall, 1),

@@ -151,6 +151,8 @@ class MemorySettings:
     prompt_length: int = 64
     response_length: int = 32
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward
+    critic: str = "separate"           # four-model: 'separate' (own backbone) or 'shared_head' (head on the actor)
+    merged_rollout: bool = False       # a dense copy of the policy, LoRA merged, samples the rollouts
 
     def validate(self) -> "MemorySettings":
         from marlhf_edu.stages.common import ConfigError
@@ -160,6 +162,8 @@ class MemorySettings:
                 raise ConfigError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_FACTOR)}, got {self.optimizer!r}")
+        if self.critic not in ("separate", "shared_head"):
+            raise ConfigError(f"critic must be 'separate' or 'shared_head', got {self.critic!r}")
         if self.value_mode not in ("shared", "adapter"):
             raise ConfigError(f"value_mode must be 'shared' or 'adapter', got {self.value_mode!r}")
         for name in ("policy_targets", "value_targets", "reward_targets"):
@@ -178,7 +182,8 @@ class MemorySettings:
                    policy_lora_r=config.actor_lora_r, value_lora_r=config.actor_lora_r, reward_lora_r=reward_lora_r,
                    policy_targets=targets, value_targets=targets, reward_targets=tuple(reward_targets),
                    value_mode=config.value_mode, optimizer=optimizer,
-                   gradient_checkpointing=config.gradient_checkpointing,
+                   gradient_checkpointing=config.gradient_checkpointing, critic=config.critic,
+                   merged_rollout=config.merged_rollout,
                    forward_batch_size=min(config.forward_batch_size, config.batch_size),
                    micro_batch_size=config.micro_batch_size, prompt_length=prompt_length or config.max_prompt_length,
                    response_length=config.max_new_tokens)
@@ -313,6 +318,19 @@ def recompute_bytes(shape: ModelShape, s: MemorySettings, r: int, targets) -> in
 
 # ---- the plans ------------------------------------------------------------------------------------
 
+def merged_rollout_bytes(shape: ModelShape, s: MemorySettings) -> int:
+    """The dense sampling copy of `merged_rollout` (`marlhf_edu.ppo.merged_rollout`): every weight of the model
+    in the compute dtype, however the base is stored (an NF4 base is dequantized into it); 0 when off."""
+    return base_weight_bytes(shape, replace(s, load_in_4bit=False)) if s.merged_rollout else 0
+
+
+def _add_rollout_copy(parts: dict, per_model: dict, per_layer: dict, shape: ModelShape, s: MemorySettings) -> None:
+    copy = merged_rollout_bytes(shape, s)
+    if copy:
+        parts["weights"] += copy
+        per_layer["weights"] += layer_weight_bytes(shape, replace(s, load_in_4bit=False))
+        per_model["rollout copy (merged)"] = copy
+
 PARTS = ("weights", "adapters", "gradients", "optimizer", "kv_cache", "logits", "activations")
 STATE_PARTS = ("weights", "adapters", "gradients", "optimizer")
 
@@ -391,18 +409,22 @@ def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
                                                               ("reward", s.reward_lora_r, s.reward_targets))}
     value_head = (h + 1) * 4                      # nn.Linear(h, 1) in fp32
     reward_heads = 2 * h * wb                     # the score head and peft's trainable copy (modules_to_save)
+    shared = s.critic == "shared_head"  # a value head on the actor: no critic backbone, no value LoRA
+    if shared:
+        lora["value"] = 0
     adapters_layer = sum(lora.values()) * ab
     per_model = {"actor": full_lm + shape.num_layers * lora["policy"] * ab,
-                 "critic": backbone + shape.num_layers * lora["value"] * ab + value_head,
+                 "critic": (0 if shared else backbone + shape.num_layers * lora["value"] * ab) + value_head,
                  "reference": full_lm,
                  "reward": backbone + shape.num_layers * lora["reward"] * ab + reward_heads}
-    parts = {"weights": 2 * full_lm + 2 * backbone,
+    parts = {"weights": 2 * full_lm + (1 if shared else 2) * backbone,
              "adapters": shape.num_layers * adapters_layer + value_head + reward_heads}
-    per_layer = {"weights": 4 * layer, "adapters": adapters_layer}
+    per_layer = {"weights": (3 if shared else 4) * layer, "adapters": adapters_layer}
     # trainable: each of actor and critic trains its LoRA, or (rank 0) every weight it has
     n, n_layer, nbytes, nbytes_layer = 0, 0, 0, 0
-    for role, r, model_bytes in (("policy", s.policy_lora_r, base_weight_bytes(shape, s, buffers=False)),
-                                 ("value", s.value_lora_r, base_weight_bytes(shape, s, lm_head=False, buffers=False))):
+    roles = (("policy", s.policy_lora_r, base_weight_bytes(shape, s, buffers=False)),) + (() if shared else (
+        ("value", s.value_lora_r, base_weight_bytes(shape, s, lm_head=False, buffers=False)),))
+    for role, r, model_bytes in roles:
         if r > 0:
             n += shape.num_layers * lora[role]; n_layer += lora[role]
             nbytes += shape.num_layers * lora[role] * ab; nbytes_layer += lora[role] * ab
@@ -412,9 +434,12 @@ def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     n += h + 1; nbytes += value_head
     _trainable(parts, per_layer, nbytes, nbytes_layer, n, n_layer, s)
     parts.update(activation_bytes(shape, s))
-    forwards = [(s.policy_lora_r, s.policy_targets, True, False), (s.value_lora_r, s.value_targets, False, True)]
+    forwards = ([(s.policy_lora_r, s.policy_targets, True, True)] if shared else
+                [(s.policy_lora_r, s.policy_targets, True, False), (s.value_lora_r, s.value_targets, False, True)])
     act = _update_activations(shape, s, forwards)
     parts["activations"] = act.pop("activations")
+    if s.policy_lora_r > 0:  # a fully trained actor already samples from dense weights (the engine refuses both)
+        _add_rollout_copy(parts, per_model, per_layer, shape, s)
     return MemoryPlan("four-model", shape, s, parts, per_model, per_layer, n, **act)
 
 
@@ -447,6 +472,7 @@ def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
         forwards.append((s.value_lora_r, s.value_targets, False, True))
     act = _update_activations(shape, s, forwards)
     parts["activations"] = act.pop("activations")
+    _add_rollout_copy(parts, per_model, per_layer, shape, s)
     return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n, **act)
 
 
@@ -480,6 +506,7 @@ def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     parts.update(activation_bytes(shape, s))
     act = _update_activations(shape, s, [(s.policy_lora_r, s.policy_targets, True, True)])
     parts["activations"] = act.pop("activations")
+    _add_rollout_copy(parts, per_model, per_layer, shape, s)
     return MemoryPlan("LoRA PPO", shape, s, parts, per_model, per_layer, shape.num_layers * policy + h + 1, **act)
 
 

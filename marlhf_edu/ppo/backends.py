@@ -67,6 +67,14 @@ def sample(model, tokenizer, input_ids, attention_mask, *, max_new_tokens: int, 
                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
+def value_head(hidden_size: int) -> nn.Linear:
+    """A zero-initialised scalar head (hidden → 1): every value is 0 before the first update."""
+    head = nn.Linear(hidden_size, 1)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
 class ValueModel(nn.Module):
     """Critic: a transformer backbone and a scalar value head on every position's last hidden state.
 
@@ -80,9 +88,7 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module):
         super().__init__()
         self.backbone = backbone
-        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        self.value_head = value_head(backbone.config.hidden_size)
 
     def forward(self, input_ids, attention_mask):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
@@ -156,6 +162,33 @@ class PPOBackend:
         raise NotImplementedError
 
     _checkpointed: tuple = ()
+    _merged = None  # a `MergedPolicy` when `merged_rollout` is on
+
+    def lora_policy(self) -> tuple[nn.Module, str]:
+        """`(peft_model, adapter_name)` of a LoRA policy, for `use_merged_rollout`."""
+        raise NotImplementedError
+
+    def use_merged_rollout(self) -> None:
+        """Sample from a dense copy of the policy with its LoRA merged (`marlhf_edu.ppo.merged_rollout`)."""
+        from marlhf_edu.ppo.merged_rollout import MergedPolicy
+
+        self._merged = MergedPolicy(*self.lora_policy())
+
+    def _with_rollout_copy(self, models: dict) -> dict:
+        return {**models, "rollout copy": self._merged.model} if self._merged is not None else models
+
+    def policy_changed(self) -> None:
+        """The trainable weights changed (an update, a loaded checkpoint): the merged copy must be rebuilt."""
+        if self._merged is not None:
+            self._merged.stale = True
+
+    def sampling_model(self) -> nn.Module:
+        """The model `generate` samples from: the merged copy (refreshed if stale) or the policy itself."""
+        if self._merged is None:
+            return self.policy_model
+        if self._merged.stale:
+            self._merged.refresh()
+        return self._merged.model
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute the trainable models' decoder layers in the backward of `policy_forward` (see
@@ -192,26 +225,37 @@ def _check_tokenizer(tokenizer):
                           "cannot tell the end of an answer from padding")
 
 
+def split_causal_lm(model) -> tuple[nn.Module, nn.Module]:
+    """`(backbone, lm_head)` of a causal LM (or a peft model around one): hidden states, then logits."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix), base.get_output_embeddings()
+
+
 class FourModelBackend(PPOBackend):
     """Actor, critic, reward model and reference as four separate models (classic RLHF-PPO).
 
     - actor: the SFT model, trainable (all weights, or a LoRA adapter when `actor_lora_r > 0`);
     - critic: `ValueModel` on a second copy of the SFT backbone, trained like the actor (all weights,
-      or its own LoRA adapter of the same rank), zero-initialised head;
+      or its own LoRA adapter of the same rank), zero-initialised head; or, with `critic: shared_head`,
+      only a zero-initialised `nn.Linear` head on the actor's last hidden state (trl 0.11's
+      `AutoModelForCausalLMWithValueHead`: one forward gives log-probs and values, and the value loss
+      trains the actor's backbone too);
     - reference: a third copy of the SFT model, frozen;
     - reward: the reward model (backbone + LoRA adapter + score head), frozen.
 
     All four stay in eval mode: dropout off, so a re-computed log-prob equals the rollout's.
     """
 
-    def __init__(self, actor, critic: ValueModel, reference, reward, tokenizer, reward_tokenizer=None):
+    def __init__(self, actor, critic: ValueModel | nn.Linear, reference, reward, tokenizer, reward_tokenizer=None):
         from marlhf_edu.stages.common import ConfigError
 
         _check_tokenizer(tokenizer)
+        self.shared_head = isinstance(critic, nn.Linear)
         if reward_tokenizer is not None and reward_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ConfigError("the reward model's tokenizer differs from the policy's: its scores of the policy's "
                               "token ids would be meaningless (re-train the reward model on the policy's tokenizer)")
-        for name, m in (("reference", reference), ("reward model", reward), ("critic", critic.backbone)):
+        others = (("reference", reference), ("reward model", reward)) + (() if self.shared_head else (("critic", critic.backbone),))
+        for name, m in others:
             if m.config.vocab_size != actor.config.vocab_size:
                 raise ConfigError(f"the {name}'s vocabulary ({m.config.vocab_size}) differs from the actor's "
                                   f"({actor.config.vocab_size})")
@@ -243,19 +287,23 @@ class FourModelBackend(PPOBackend):
         reward_base = config.reward_base_path or sft
         sft = resolve_model(sft)  # a GGUF file or an SFT adapter becomes a directory once, in the cache
         actor = align_pad(AutoModelForCausalLM.from_pretrained(sft), tokenizer).to(device)
-        if config.critic_init == "reward_model":
+        if config.critic == "shared_head":
+            backbone, head = None, None
+        elif config.critic_init == "reward_model":
             backbone, head = reward_model_as_critic(reward_base, adapter)
         else:
             backbone, head = AutoModel.from_pretrained(str(sft)), None
-        backbone = backbone.to(device)
+        if backbone is not None:
+            backbone = backbone.to(device)
         if config.actor_lora_r > 0:  # the critic follows the actor's recipe: a LoRA on its own backbone
             from peft import LoraConfig, get_peft_model
 
             lora = dict(r=config.actor_lora_r, lora_alpha=config.actor_lora_alpha, lora_dropout=0.0,
                         target_modules=list(config.lora_target_modules))
             actor = get_peft_model(actor, LoraConfig(task_type="CAUSAL_LM", **lora))
-            backbone = get_peft_model(backbone, LoraConfig(task_type="FEATURE_EXTRACTION", **lora))
-        critic = ValueModel(backbone)
+            if backbone is not None:
+                backbone = get_peft_model(backbone, LoraConfig(task_type="FEATURE_EXTRACTION", **lora))
+        critic = value_head(actor.config.hidden_size).to(device) if backbone is None else ValueModel(backbone)
         if head is not None:
             with torch.no_grad():
                 critic.value_head.weight.copy_(head)  # the reward model's score head; its bias stays 0
@@ -264,22 +312,41 @@ class FourModelBackend(PPOBackend):
         return cls(actor, critic, reference, reward.to(device), tokenizer, reward_tokenizer)
 
     def models(self):
-        return {"actor": self.actor, "critic": self.critic, "reference": self.reference, "reward": self.reward}
+        return self._with_rollout_copy({"actor": self.actor, "critic": self.critic, "reference": self.reference,
+                                        "reward": self.reward})
 
     def enable_gradient_checkpointing(self):
-        self._checkpointed = (enable_checkpointing(self.actor), enable_checkpointing(self.critic.backbone))
+        self._checkpointed = (enable_checkpointing(self.actor),) + (
+            () if self.shared_head else (enable_checkpointing(self.critic.backbone),))
 
     @property
     def policy_model(self):
         return self.actor
 
+    def lora_policy(self):
+        from marlhf_edu.stages.common import ConfigError
+
+        if not hasattr(self.actor, "peft_config"):
+            raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor "
+                              "already samples from dense weights")
+        return self.actor, self.actor.active_adapter
+
     def generate(self, input_ids, attention_mask, **sampling):
-        return sample(self.actor, self.tokenizer, input_ids, attention_mask, **sampling)
+        return sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask, **sampling)
 
     def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
-        logprobs, entropy = sequence_logprobs(self.actor, input_ids, attention_mask, n_response, temperature, with_entropy)
-        values = response_values(self.critic(input_ids, attention_mask), n_response)
-        return logprobs, values, entropy
+        if self.shared_head:  # one pass through the actor's backbone: logits for the response, a value everywhere
+            backbone, lm_head = split_causal_lm(self.actor)
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+            logits = lm_head(hidden[:, -n_response - 1:-1]) / temperature
+            logprobs, entropy = response_logprobs(logits, input_ids, with_entropy)
+            values_full = self.critic(hidden.to(self.critic.weight.dtype)).squeeze(-1)
+        else:
+            logprobs, entropy = sequence_logprobs(self.actor, input_ids, attention_mask, n_response, temperature,
+                                                  with_entropy)
+            values_full = self.critic(input_ids, attention_mask)
+        return logprobs, response_values(values_full, n_response), entropy
 
     @torch.no_grad()
     def reference_logprobs(self, input_ids, attention_mask, n_response, temperature):
@@ -308,6 +375,7 @@ class FourModelBackend(PPOBackend):
         with torch.no_grad():
             for name, tensor in current.items():
                 tensor.copy_(state[name])
+        self.policy_changed()
 
 
 class ScoredPolicy:

@@ -36,6 +36,8 @@ class PPOConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj"])
     critic_init: str = field(default="zero", metadata={"help": "'zero': the critic is the SFT backbone with a zero head; 'reward_model': the critic starts as the reward model (its backbone, adapter and score head), as InstructGPT and MA-RLHF do"})
+    critic: str = field(default="separate", metadata={"help": "four-model only: 'separate' (a critic with its own backbone, chapter 09) or 'shared_head' (a value head on the actor's last hidden state, trl 0.11's AutoModelForCausalLMWithValueHead: one forward, one backbone less)"})
+    merged_rollout: bool = field(default=False, metadata={"help": "sample rollouts from a dense copy of the policy with its LoRA merged (NF4 bases dequantized), refreshed after every update; log-probs still come from the training path. Needs a LoRA policy; costs one dense copy of the model"})
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
     double_quant: bool = field(default=True, metadata={"help": "NF4 double quantization of the scales"})
@@ -65,6 +67,8 @@ class PPOConfig:
     # ---- scores ---------------------------------------------------------------------------
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
+    rollouts_per_prompt: int = field(default=1, metadata={"help": "answers sampled to each prompt of a batch (batch_size must be a multiple): batch_size / k distinct prompts, each k times"})
+    group_baseline: bool = field(default=False, metadata={"help": "subtract from each score the mean score of the other answers to its prompt (leave-one-out, as RLOO): the reward model is only asked which answer to a prompt is better. Needs rollouts_per_prompt > 1"})
     whiten_scores: bool = field(default=False, metadata={"help": "whiten scores across the batch"})
     score_clip: float | None = field(default=None, metadata={"help": "clip scores to ±score_clip (after the above)"})
     # ---- KL -------------------------------------------------------------------------------
@@ -111,6 +115,10 @@ class PPOConfig:
         for name in ("total_steps", "batch_size", "mini_batch_size", "micro_batch_size", "forward_batch_size",
                      "ppo_epochs", "max_new_tokens", "max_prompt_length"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        need(self.rollouts_per_prompt >= 1 and self.batch_size % self.rollouts_per_prompt == 0,
+             f"batch_size ({self.batch_size}) must be a multiple of rollouts_per_prompt ({self.rollouts_per_prompt})")
+        need(not self.group_baseline or self.rollouts_per_prompt > 1,
+             "group_baseline compares the answers to one prompt: it needs rollouts_per_prompt > 1")
         need(self.batch_size % self.mini_batch_size == 0,
              f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size ({self.mini_batch_size})")
         need(self.mini_batch_size % self.micro_batch_size == 0,
@@ -130,6 +138,10 @@ class PPOConfig:
              f"loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}")
         need(self.critic_init in ("zero", "reward_model"),
              f"critic_init must be 'zero' or 'reward_model', got {self.critic_init!r}")
+        need(self.critic in ("separate", "shared_head"),
+             f"critic must be 'separate' or 'shared_head', got {self.critic!r}")
+        need(not (self.critic == "shared_head" and self.critic_init == "reward_model"),
+             "critic: shared_head reads the actor's features; critic_init: reward_model needs critic: separate")
         need(self.kl_estimator in TOKEN_KL_KINDS, f"kl_estimator must be one of {TOKEN_KL_KINDS}, got {self.kl_estimator!r}")
         need(self.kl_coef >= 0, f"kl_coef must be >= 0, got {self.kl_coef}")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")

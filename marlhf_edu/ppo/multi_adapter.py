@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from marlhf_edu.ppo.backends import (PPOBackend, _check_tokenizer, quiet_loading, response_logprobs, response_values,
-                                     sample)
+                                     sample, value_head)
 from marlhf_edu.checkpointing import enable_checkpointing
 from marlhf_edu.masked import last_valid_index
 from marlhf_edu.quantization import keep_nf4_trainable, nf4_loading_kwargs  # noqa: F401 (public here too)
@@ -104,9 +104,7 @@ class MultiAdapterBackend(PPOBackend):
         hidden = base.config.hidden_size
         self.device = next(base.parameters()).device
         self.reward_head = load_score_head(reward_adapter_dir, hidden).to(self.device)
-        self.value_head = nn.Linear(hidden, 1).to(self.device)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        self.value_head = value_head(hidden).to(self.device)
         if critic_init == "reward_model":
             with torch.no_grad():
                 self.value_head.weight.copy_(self.reward_head.weight)
@@ -125,6 +123,9 @@ class MultiAdapterBackend(PPOBackend):
 
         from marlhf_edu.sources import align_pad, local_path, resolve_model
 
+        if config.critic != "separate":
+            raise ConfigError(f"critic: {config.critic} is a four-model option; multi-adapter PPO picks its critic with "
+                              "value_mode ('shared': a head on the policy adapter, 'adapter': its own LoRA)")
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
         if config.reward_base_path and not same_model_path(config.reward_base_path, sft):
@@ -197,7 +198,10 @@ class MultiAdapterBackend(PPOBackend):
         return lm_head(hidden[:, -n_response - 1:-1]).float() / temperature
 
     def generate(self, input_ids, attention_mask, **sampling):
-        return sample(self.model, self.tokenizer, input_ids, attention_mask, **sampling)
+        return sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask, **sampling)
+
+    def lora_policy(self):
+        return self.model, "policy"
 
     def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
         hidden = self._hidden(input_ids, attention_mask)  # policy adapter active
@@ -246,10 +250,12 @@ class MultiAdapterBackend(PPOBackend):
         with torch.no_grad():
             for name, tensor in current.items():
                 tensor.copy_(state[name])
+        self.policy_changed()
 
     @property
     def policy_model(self):
         return self.model
 
     def models(self):
-        return {"base+adapters": self.model, "value_head": self.value_head, "reward_head": self.reward_head}
+        return self._with_rollout_copy({"base+adapters": self.model, "value_head": self.value_head,
+                                        "reward_head": self.reward_head})

@@ -22,6 +22,7 @@ Taught in chapter 09.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -43,8 +44,33 @@ from marlhf_edu.ppo_objective import ppo_loss
 from marlhf_edu.scoring import score_texts_with
 from marlhf_edu.stages.common import ConfigError
 
+#: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
+#: no-grad policy/critic forward, the reference forward, and the PPO update.
+PHASES = ("generate", "score", "policy", "reference", "update")
 #: Keys of a step record that measure time; everything else is a deterministic function of the run.
-TIMING_KEYS = ("time/step_s", "time/rollout_s", "time/update_s", "time/tokens_per_s")
+TIMING_KEYS = ("time/step_s", "time/rollout_s", "time/update_s", "time/tokens_per_s",
+               "time/generate_tokens_per_s") + tuple(f"time/{p}_s" for p in PHASES if p != "update")
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase, summed over a step (`with timer("score"): ...`).
+
+    On CUDA it synchronises at each boundary, so a phase is charged for its own kernels, not the next one's.
+    """
+
+    def __init__(self, device):
+        self.sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        self.seconds = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        self.sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.seconds[phase] += time.perf_counter() - start
 
 
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -89,6 +115,22 @@ class Rollout:
                 tokenizer.batch_decode(response, skip_special_tokens=True))
 
 
+def leave_one_out(scores: torch.Tensor, k: int) -> torch.Tensor:
+    r"""(B,) scores in consecutive groups of k answers to one prompt → each minus the mean of the other k − 1.
+
+    .. math:: s_i - \frac{1}{k-1}\sum_{j \ne i} s_j
+
+    An unbiased baseline (it does not depend on answer i), as RLOO uses: what is left is how much better an
+    answer is than its prompt's other answers, so prompts that are easy or hard to score well on stop adding
+    noise. Taught in chapter 13.
+    """
+    if k < 2 or scores.numel() % k:
+        raise ValueError(f"leave_one_out: need k >= 2 dividing the batch, got k={k} for {scores.numel()} scores")
+    groups = scores.view(-1, k)
+    others = (groups.sum(1, keepdim=True) - groups) / (k - 1)
+    return (groups - others).reshape(-1)
+
+
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(1)
 
@@ -111,6 +153,8 @@ class PPOTrainer:
         self.prompts = list(prompts)
         if config.gradient_checkpointing:
             backend.enable_gradient_checkpointing()
+        if config.merged_rollout:
+            backend.use_merged_rollout()
         groups = backend.parameter_groups()
         lrs = {"policy": config.learning_rate, "value": config.critic_learning_rate or config.learning_rate}
         self.optimizer = torch.optim.AdamW(
@@ -121,20 +165,23 @@ class PPOTrainer:
         self.shuffle = torch.Generator().manual_seed(config.seed)
         self.step_index = 0
         self.output_dir = pathlib.Path(config.output_dir)
+        self.timer = PhaseTimer(backend.device)
 
     # ---- data ---------------------------------------------------------------------------
 
     def batch_prompts(self, step: int) -> list[str]:
         """The prompts of step `step`: a deterministic function of (seed, step), so resuming needs only the step.
 
-        Prompts are visited in a fresh seeded permutation per pass over the data.
+        Prompts are visited in a fresh seeded permutation per pass over the data. With `rollouts_per_prompt` = k,
+        a step takes batch_size / k prompts and repeats each k times in a row (a group).
         """
-        n, bs = len(self.prompts), self.config.batch_size
+        n, k = len(self.prompts), self.config.rollouts_per_prompt
+        bs = self.config.batch_size // k
         out = []
-        for k in range(step * bs, (step + 1) * bs):
-            epoch = k // n
+        for i in range(step * bs, (step + 1) * bs):
+            epoch = i // n
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed * 100003 + epoch))
-            out.append(self.prompts[int(order[k % n])])
+            out += [self.prompts[int(order[i % n])]] * k
         return out
 
     # ---- rollout ------------------------------------------------------------------------
@@ -150,8 +197,10 @@ class PPOTrainer:
         P, B = prompt_ids.shape[1], prompt_ids.shape[0]
         chunks = self._chunks(B, cfg.forward_batch_size)
 
-        responses = [be.generate(prompt_ids[c], prompt_mask[c], max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)[:, P:] for c in chunks]
+        with self.timer("generate"):
+            responses = [be.generate(prompt_ids[c], prompt_mask[c], max_new_tokens=cfg.max_new_tokens,
+                                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)[:, P:]
+                         for c in chunks]
         R = max(r.shape[1] for r in responses)
         response = torch.cat([torch.nn.functional.pad(r, (0, R - r.shape[1]), value=tok.pad_token_id) for r in responses])
         response_mask = response_mask_from_ids(response, tok.eos_token_id)
@@ -159,15 +208,18 @@ class PPOTrainer:
         input_ids = torch.cat([prompt_ids, response], dim=1)
         attention_mask = torch.cat([prompt_mask.bool(), response_mask], dim=1).long()
 
-        raw_scores = torch.cat([be.scores(input_ids[c], attention_mask[c]) for c in chunks]).float()
+        with self.timer("score"):
+            raw_scores = torch.cat([be.scores(input_ids[c], attention_mask[c]) for c in chunks]).float()
         has_eos = ((response == tok.eos_token_id) & response_mask).any(dim=1)
         scores = self.transform_scores(raw_scores, has_eos)
 
         logprobs, values, entropy, ref_logprobs = [], [], [], []
         for c in chunks:
-            lp, v, ent = be.policy_forward(input_ids[c], attention_mask[c], R, cfg.temperature, with_entropy=True)
+            with self.timer("policy"):
+                lp, v, ent = be.policy_forward(input_ids[c], attention_mask[c], R, cfg.temperature, with_entropy=True)
             logprobs.append(lp); values.append(v); entropy.append(ent)
-            ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
+            with self.timer("reference"):
+                ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
         logprobs, values, entropy, ref_logprobs = (torch.cat(x).float() for x in (logprobs, values, entropy, ref_logprobs))
 
         rewards, _, kls = token_level_rewards(scores, logprobs, ref_logprobs, response_mask, self.kl_controller.value,
@@ -179,11 +231,13 @@ class PPOTrainer:
                        values, entropy, rewards, kls, advantages, returns)
 
     def transform_scores(self, raw: torch.Tensor, has_eos: torch.Tensor) -> torch.Tensor:
-        """Missing-EOS penalty, baseline, whitening, clipping — in that order, each only if configured."""
+        """Missing-EOS penalty, baseline, group baseline, whitening, clipping — in that order, each only if configured."""
         cfg, scores = self.config, raw.clone()
         if cfg.missing_eos_penalty is not None:
             scores = torch.where(has_eos, scores, scores - cfg.missing_eos_penalty)
         scores = scores - cfg.score_baseline
+        if cfg.group_baseline:  # rows k·g … k·g + k − 1 answer one prompt (`batch_prompts`)
+            scores = leave_one_out(scores, cfg.rollouts_per_prompt)
         if cfg.whiten_scores and scores.numel() > 1:
             scores = masked_whiten(scores[None], torch.ones_like(scores, dtype=torch.bool)[None])[0]
         if cfg.score_clip is not None:
@@ -229,6 +283,7 @@ class PPOTrainer:
                 stop = True
                 break
         self.optimizer.zero_grad(set_to_none=True)
+        self.backend.policy_changed()  # a merged rollout copy is rebuilt before the next sample
         out = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in acc.items() if k != "skipped"}
         out["ppo/skipped_minibatches"] = skipped  # minibatches whose optimizer step was skipped
         out["ppo/epochs"] = epochs_run
@@ -274,6 +329,7 @@ class PPOTrainer:
 
     def step(self) -> dict[str, float]:
         """One PPO iteration on the next batch of prompts; returns its record."""
+        self.timer.seconds.clear()
         t0 = time.perf_counter()
         prompts = self.batch_prompts(self.step_index)
         r = self.rollout(prompts)
@@ -282,13 +338,17 @@ class PPOTrainer:
         if self.gold_reward_fn is not None:  # before the update: the judge sees the rollout the RM scored
             gold = self.gold_reward_fn(prompts, r.texts(self.tokenizer)[1])
             record["gold/mean"] = float(sum(gold) / len(gold))
-        record.update(self.update(r))
+        with self.timer("update"):
+            record.update(self.update(r))
         # the controller sees the estimator the rewards used, summed over each response, averaged over the batch
         self.kl_controller.update(float(_masked_sum(r.kls, r.response_mask).mean()), self.config.batch_size)
         t2 = time.perf_counter()
         tokens = int(r.attention_mask.sum())
-        record.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1, "time/step_s": t2 - t0,
-                       "time/tokens_per_s": tokens / (t2 - t0)})
+        record.update({"time/rollout_s": t1 - t0, "time/update_s": self.timer.seconds["update"], "time/step_s": t2 - t0,
+                       "time/tokens_per_s": tokens / (t2 - t0),
+                       # sampled (response) tokens per second of the generate phase
+                       "time/generate_tokens_per_s": int(r.response_mask.sum()) / max(self.timer.seconds["generate"], 1e-9)})
+        record.update({f"time/{p}_s": self.timer.seconds[p] for p in PHASES if p != "update"})
         self.step_index += 1
         self.last_rollout = r
         return record

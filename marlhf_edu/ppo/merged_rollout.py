@@ -1,0 +1,119 @@
+"""Rollouts from merged weights: sample from a dense copy of the policy with its LoRA folded in.
+
+A LoRA policy on an NF4 base pays twice on every generated token: each `Linear4bit` dequantizes its weight
+before its matmul, and each targeted layer adds the adapter's two small matmuls, x·Aᵀ·Bᵀ·s. Generation runs
+the model once per new token, so both costs are paid R times per rollout. A dense copy whose weights are
+
+    W = dequant(W_base) + s · B·A        (s = lora_alpha / r; `LoraLayer.get_delta_weight`)
+
+computes the same function with one plain matmul per layer. `MergedPolicy` holds that copy, in the base's
+compute dtype (fp32 on CPU, bf16 on CUDA), and samples from it; the PPO log-probs, values and gradients still
+come from the training path (adapter on the base), so the ratio is still exactly 1 at the first minibatch and
+every equivalence test of the engine holds. The two paths agree up to floating-point rounding
+(`tests/test_merged_rollout.py` states the tolerance).
+
+The copy is rebuilt from the base after every update, never patched incrementally: subtracting the old
+delta and adding the new would let rounding accumulate over a run, and re-dequantizing costs one pass over the
+weights, not one per token. It is never merged into the base itself either: merging into a 4-bit base is lossy,
+and the base is also the reference model.
+
+Cost: one dense copy of the model, parameters × bytes of the compute dtype (`memory.plan_memory`'s
+`merged_rollout` term). Taught in chapter 09; the config switch is `merged_rollout`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The (out, in) weight of a linear layer as a dense tensor: an NF4 `Linear4bit` dequantized, else as is."""
+    weight = layer.weight
+    if weight.__class__.__name__ == "Params4bit":
+        import bitsandbytes as bnb
+
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+    if weight.__class__.__name__ == "Int8Params":
+        raise NotImplementedError("merged_rollout supports dense and NF4/FP4 bases, not 8-bit ones")
+    return weight.detach().to(dtype)
+
+
+def merged_linear_weight(module: nn.Module, adapter: str, dtype: torch.dtype) -> torch.Tensor:
+    """W of `module` with adapter `adapter` folded in when it is a LoRA layer carrying that adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(module, LoraLayer):
+        return dense_weight(module, dtype)
+    if module.merged:
+        raise RuntimeError("the policy's adapter is merged into the base; merged_rollout needs it unmerged")
+    if adapter in module.use_dora and module.use_dora[adapter]:
+        raise NotImplementedError("merged_rollout does not support DoRA adapters")
+    weight = dense_weight(module.get_base_layer(), dtype)
+    if adapter in module.lora_A:
+        weight = weight + module.get_delta_weight(adapter).to(dtype)
+    return weight
+
+
+class MergedPolicy:
+    """A dense causal LM equal to `peft_model`'s base with adapter `adapter` merged, for sampling only.
+
+    `refresh()` after the adapter changed; `stale` says whether it must be refreshed before the next sample.
+    """
+
+    def __init__(self, peft_model, adapter: str, dtype: torch.dtype | None = None):
+        from transformers import AutoModelForCausalLM
+
+        base = peft_model.get_base_model()
+        quantization = getattr(base.config, "quantization_config", None)
+        if dtype is None:
+            compute = getattr(quantization, "bnb_4bit_compute_dtype", None) if quantization is not None else None
+            if isinstance(compute, str):
+                compute = getattr(torch, compute)
+            dtype = compute or next(p for p in base.parameters() if p.is_floating_point()).dtype
+        config = copy.deepcopy(base.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the copy is dense
+        device = next(base.parameters()).device
+        self.peft_model, self.adapter, self.dtype = peft_model, adapter, dtype
+        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
+        self.model.generation_config = copy.deepcopy(base.generation_config)
+        self.stale = True
+        self.refresh()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy every weight of the base into the dense model, dequantized, with the adapter's delta added."""
+        base = self.peft_model.get_base_model()
+        source = dict(base.named_modules())
+        linear = set()
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.Linear):
+                if name not in source:
+                    raise KeyError(f"merged_rollout: the base has no module {name!r}")
+                module.weight.copy_(merged_linear_weight(source[name], self.adapter, self.dtype))
+                layer = source[name].get_base_layer() if hasattr(source[name], "get_base_layer") else source[name]
+                bias = getattr(layer, "bias", None)
+                if (bias is None) != (module.bias is None):
+                    raise ValueError(f"merged_rollout: {name!r} has a bias in one model and not in the other")
+                if module.bias is not None:
+                    module.bias.copy_(bias.detach())
+                linear.add(name)
+        base_params = dict(base.named_parameters())
+        for name, param in self.model.named_parameters():
+            owner = name.rsplit(".", 1)[0]
+            if owner in linear:
+                continue
+            if name not in base_params:
+                raise KeyError(f"merged_rollout: the base has no parameter {name!r}")
+            param.copy_(base_params[name].detach().to(self.dtype))
+        self.stale = False
+
+    def nbytes(self) -> int:
+        """Bytes the dense copy holds (tied weights counted once)."""
+        seen = {}
+        for p in self.model.parameters():
+            seen[p.data_ptr()] = p.numel() * p.element_size()
+        return sum(seen.values())

@@ -1,0 +1,159 @@
+"""The cheaper options of the PPO engine compute what the book's reference paths compute.
+
+- `critic: shared_head` (four models, value head on the actor) equals multi-adapter PPO with `value_mode: shared`;
+- `merged_rollout` samples from a dense copy whose distribution equals the training path's, refreshed after
+  every update;
+- the step record times each phase.
+"""
+
+import pytest
+import torch
+from conftest import build_trainer
+
+from marlhf_edu.ppo import FourModelBackend, PPOConfig
+from marlhf_edu.ppo.backends import sequence_logprobs
+from marlhf_edu.ppo.merged_rollout import MergedPolicy
+from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+from marlhf_edu.ppo.trainer import PHASES, TIMING_KEYS
+from marlhf_edu.stages.common import ConfigError
+
+SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=4, forward_batch_size=8, max_new_tokens=12,
+             actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-3)
+#: |log p_merged − log p_adapter| on the tiny model's sampled tokens, fp32: rounding of two orders of summation
+#: (x·W0ᵀ + s·x·Aᵀ·Bᵀ against x·(W0 + s·B·A)ᵀ), measured below 2e-6 on the tiny model; NF4 adds nothing (the
+#: same dequantized W0 in both)
+LOGPROB_TOLERANCE = 1e-4
+
+
+def build(tmp_path, backend_cls, prompts, **overrides):
+    return build_trainer(tmp_path, backend_cls, prompts, SMALL, **overrides)
+
+
+# ---- critic: shared_head ---------------------------------------------------------------------------------
+
+def test_shared_head_four_model_equals_multi_adapter_shared(tmp_path, prompts):
+    """Value head on the actor's last hidden state: four-model PPO with a LoRA actor and `critic: shared_head` is
+    MA-PPO with `value_mode: shared` on an fp32 base. Two steps of two minibatches: records and weights agree."""
+    four = build(tmp_path, FourModelBackend, prompts, critic="shared_head")
+    ma = build(tmp_path, MultiAdapterBackend, prompts, value_mode="shared")
+    assert isinstance(four.backend.critic, torch.nn.Linear) and "critic" in four.backend.models()
+    assert set(four.backend.parameter_groups()) == {"policy", "value"}
+    ma_params = dict(ma.backend.model.named_parameters())
+    with torch.no_grad():  # the same LoRA A (B starts at 0 in both)
+        for name, p in four.backend.actor.named_parameters():
+            if ".lora_" in name:
+                ma_params[name.replace(".default.", ".policy.")].copy_(p)
+    for step in range(2):
+        records = {}
+        for key, trainer in (("four", four), ("ma", ma)):
+            torch.manual_seed(10 + step)
+            records[key] = trainer.step()
+        assert len(four.minibatch_stats) == 2 and records["four"]["ppo/skipped_minibatches"] == 0
+        for key, value in records["four"].items():
+            if key not in TIMING_KEYS:
+                assert records["ma"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+    moved = 0
+    for name, p in four.backend.actor.named_parameters():
+        if ".lora_B" in name:
+            torch.testing.assert_close(ma_params[name.replace(".default.", ".policy.")], p, rtol=1e-3, atol=1e-6)
+            moved += int(p.abs().sum() > 0)
+    assert moved > 0
+    torch.testing.assert_close(ma.backend.value_head.weight, four.backend.critic.weight, rtol=1e-3, atol=1e-6)
+
+
+def test_shared_head_value_loss_trains_the_actor(tmp_path, prompts):
+    """What makes the head 'shared': the value loss alone sends gradient into the actor's weights."""
+    trainer = build(tmp_path, FourModelBackend, prompts, critic="shared_head", actor_lora_r=0)
+    r = trainer.rollout(trainer.batch_prompts(0))
+    assert torch.equal(r.values, torch.zeros_like(r.values))  # zero-initialised head
+    with torch.no_grad():
+        trainer.backend.critic.weight.normal_(0, 0.1)
+    _, values, _ = trainer.backend.policy_forward(r.input_ids, r.attention_mask, r.n_response, 1.0)
+    (values * r.response_mask).pow(2).sum().backward()
+    grads = [p.grad for p in trainer.backend.actor.parameters() if p.grad is not None]
+    assert grads and sum(float(g.abs().sum()) for g in grads) > 0
+    # and the four-model backend holds no critic backbone at all
+    assert sum(p.numel() for p in trainer.backend.critic.parameters()) == trainer.backend.actor.config.hidden_size + 1
+
+
+def test_critic_option_errors(tmp_path, prompts):
+    with pytest.raises(ConfigError, match="critic must be"):
+        PPOConfig(critic="shared").validate()
+    with pytest.raises(ConfigError, match="critic_init: reward_model needs critic: separate"):
+        PPOConfig(critic="shared_head", critic_init="reward_model").validate()
+    with pytest.raises(ConfigError, match="value_mode"):
+        build(tmp_path, MultiAdapterBackend, prompts, critic="shared_head")
+
+
+# ---- merged_rollout ----------------------------------------------------------------------------------------
+
+def _perturb_policy(peft_model, adapter, seed=3):
+    """Non-zero LoRA B (it starts at 0, which would make the merge trivially exact)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_B." in name and f".{adapter}." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _max_logprob_gap(trainer, model):
+    r = trainer.rollout(trainer.batch_prompts(0))
+    with torch.no_grad():
+        train_path, _, _ = trainer.backend.policy_forward(r.input_ids, r.attention_mask, r.n_response, 1.0)
+        copy, _ = sequence_logprobs(model, r.input_ids, r.attention_mask, r.n_response, 1.0)
+    return float(((train_path - copy) * r.response_mask).abs().max())
+
+
+@pytest.mark.parametrize("backend_cls, overrides", [
+    (MultiAdapterBackend, dict(load_in_4bit=True)),  # NF4 base: the copy is dequantized
+    (MultiAdapterBackend, dict(load_in_4bit=False)),
+    (FourModelBackend, dict()),
+])
+def test_merged_copy_has_the_training_paths_distribution(tmp_path, prompts, backend_cls, overrides):
+    trainer = build(tmp_path, backend_cls, prompts, **overrides)
+    peft_model, adapter = trainer.backend.lora_policy()
+    _perturb_policy(peft_model, adapter)
+    merged = MergedPolicy(peft_model, adapter)
+    assert all(not p.requires_grad for p in merged.model.parameters())
+    assert all(p.dtype == torch.float32 for p in merged.model.parameters())
+    assert _max_logprob_gap(trainer, merged.model) < LOGPROB_TOLERANCE
+    # the check can fail: the base alone (adapter not merged) is far off
+    with peft_model.disable_adapter():
+        plain = MergedPolicy(peft_model, "no-such-adapter")
+    assert _max_logprob_gap(trainer, plain.model) > 100 * LOGPROB_TOLERANCE
+    # the copy's size is what the planner charges: parameters × 4 bytes in fp32 (tied weights once)
+    n = sum(p.numel() for p in merged.model.parameters())
+    assert merged.nbytes() == 4 * n
+
+
+def test_merged_rollout_is_refreshed_after_every_update(tmp_path, prompts):
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=True)
+    merged = trainer.backend._merged
+    assert merged is not None and not merged.stale
+    record = trainer.step()
+    # the first minibatch still sees ratio 1: log-probs come from the training path, sampled by the copy
+    assert trainer.minibatch_stats[0]["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert merged.stale and record["ppo/skipped_minibatches"] == 0  # the update moved the policy
+    model = trainer.backend.sampling_model()
+    assert model is merged.model and not merged.stale
+    assert _max_logprob_gap(trainer, model) < LOGPROB_TOLERANCE
+    # a loaded checkpoint marks it stale too
+    trainer.backend.load_trainable_state_dict(trainer.backend.trainable_state_dict())
+    assert merged.stale
+
+
+def test_merged_rollout_needs_a_lora_policy(tmp_path, prompts):
+    with pytest.raises(ConfigError, match="merged_rollout needs a LoRA policy"):
+        build(tmp_path, FourModelBackend, prompts, actor_lora_r=0, merged_rollout=True)
+
+
+# ---- phase timing --------------------------------------------------------------------------------------------
+
+def test_step_record_times_every_phase(tmp_path, prompts):
+    trainer = build(tmp_path, FourModelBackend, prompts)
+    record = trainer.step()
+    phases = [record[f"time/{p}_s"] for p in PHASES]
+    assert all(t > 0 for t in phases)
+    assert sum(phases) <= record["time/step_s"] * 1.001
+    assert record["time/rollout_s"] >= sum(phases[:-1]) * 0.999
+    assert set(TIMING_KEYS) <= set(record)

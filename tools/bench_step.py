@@ -1,0 +1,113 @@
+"""Where a PPO step's time goes: the per-phase breakdown of any config, on this machine.
+
+    python tools/bench_step.py --command ma-ppo --config configs/tiny_ma_ppo.yaml --steps 10 \
+        --out benchmarks/step_tiny_ma_ppo.json [-- --load_in_4bit false --value_mode shared]
+
+Builds the stage's backend and `PPOTrainer` exactly as `marlhf-edu ppo` / `ma-ppo` do (no evaluation, no
+checkpoints), runs `--steps` steps and reports the mean of steps `--skip`+1 … `--steps` (the first steps pay for
+allocator warm-up and lazy initialisation) of each phase the trainer times (`PPOTrainer.step` records them):
+
+    generate   sampling the responses (KV cache)
+    score      the reward model's scores
+    policy     the rollout's no-grad policy (and critic) forward: old log-probs, values, entropy
+    reference  the reference model's log-probs
+    update     the PPO epochs (forward with graph, backward, optimizer)
+
+plus the step time, the rollout's sampled tokens per second of generation, and the machine. Chapter 09
+explains the breakdown; `tools/compare_trl.py` runs trl 0.11.4 on the same work. Not part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_ppo import machine  # noqa: E402
+
+PHASE_KEYS = ("generate", "score", "policy", "reference", "update")
+
+
+def cpu_name() -> str:
+    from marlhf_edu.zoo import _cpu_name
+
+    return _cpu_name()
+
+
+def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]) -> dict:
+    """Run `steps` PPO steps of `command` (`ppo` or `ma-ppo`) with `config_path` and `overrides`; every step's record."""
+    import torch
+
+    from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.stages.ppo import load_prompts
+
+    factory = {"ppo": FourModelBackend.from_config, "ma-ppo": MultiAdapterBackend.from_config}[command]
+    with tempfile.TemporaryDirectory() as out:
+        (config,) = parse_stage_args((PPOConfig,), ["--config", config_path, *overrides, "--output_dir", out,
+                                                    "--total_steps", str(steps), "--eval_repeats", "0",
+                                                    "--save_steps", "0"])
+        config.validate()
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        backend = factory(config)
+        load_s = time.perf_counter() - start
+        trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer))
+        records = [trainer.step() for _ in range(steps)]
+    return {"config": config, "records": records, "load_s": load_s}
+
+
+def summarise(records: list[dict], skip: int) -> dict:
+    kept = records[skip:] or records
+    mean = lambda key: sum(r[key] for r in kept) / len(kept)  # noqa: E731
+    phases = {p: round(mean(f"time/{p}_s"), 4) for p in PHASE_KEYS}
+    step = mean("time/step_s")
+    return {"steps_averaged": f"{skip + 1}-{len(records)}" if records[skip:] else f"1-{len(records)}",
+            "step_s": round(step, 4), "phases_s": phases,
+            "other_s": round(step - sum(phases.values()), 4),  # score transforms, GAE, statistics, the KL controller
+            "generate_tokens_per_s": round(mean("time/generate_tokens_per_s"), 1),
+            "tokens_per_s": round(mean("time/tokens_per_s"), 1),
+            "response_length": round(mean("response/length"), 2)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--command", choices=("ppo", "ma-ppo"), default="ppo")
+    parser.add_argument("--config", default="configs/tiny_ppo.yaml")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--skip", type=int, default=2, help="leading steps left out of the means")
+    parser.add_argument("--label", default="", help="a name for this case in the output")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON file to write (else print only)")
+    parser.add_argument("extra", nargs="*", help="more stage overrides, after --")
+    args = parser.parse_args(argv)
+
+    result = bench_steps(args.command, args.config, args.steps, args.extra)
+    cfg = result["config"]
+    summary = {
+        "label": args.label or f"{args.command} {args.config} {' '.join(args.extra)}".strip(),
+        "command": f"marlhf-edu {args.command} --config {args.config} {' '.join(args.extra)}".strip(),
+        "shape": {"batch_size": cfg.batch_size, "mini_batch_size": cfg.mini_batch_size,
+                  "forward_batch_size": cfg.forward_batch_size, "max_new_tokens": cfg.max_new_tokens,
+                  "ppo_epochs": cfg.ppo_epochs},
+        **summarise(result["records"], args.skip),
+        "load_s": round(result["load_s"], 2),
+        "per_step": [{k: round(v, 4) for k, v in r.items() if k.startswith("time/")} for r in result["records"]],
+        "measured_on": f"{cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+        "machine": machine(),
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
