@@ -12,6 +12,7 @@ from conftest import build_trainer
 
 from marlhf_edu.ppo import FourModelBackend, PPOConfig
 from marlhf_edu.ppo.backends import sequence_logprobs
+from marlhf_edu.memory.plan import MemorySettings, ModelShape, merged_rollout_bytes
 from marlhf_edu.ppo.merged_rollout import MergedPolicy
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
 from marlhf_edu.ppo.trainer import PHASES, TIMING_KEYS
@@ -121,9 +122,9 @@ def test_merged_copy_has_the_training_paths_distribution(tmp_path, prompts, back
     with peft_model.disable_adapter():
         plain = MergedPolicy(peft_model, "no-such-adapter")
     assert _max_logprob_gap(trainer, plain.model) > 100 * LOGPROB_TOLERANCE
-    # the copy's size is what the planner charges: parameters × 4 bytes in fp32 (tied weights once)
-    n = sum(p.numel() for p in merged.model.parameters())
-    assert merged.nbytes() == 4 * n
+    # the copy's size is what the planner charges: every weight in fp32, plus RoPE's buffers
+    shape = ModelShape.from_config(merged.model.config.to_dict())
+    assert merged.nbytes() == merged_rollout_bytes(shape, MemorySettings(merged_rollout=True))
 
 
 def test_merged_rollout_is_refreshed_after_every_update(tmp_path, prompts):
@@ -157,3 +158,26 @@ def test_step_record_times_every_phase(tmp_path, prompts):
     assert sum(phases) <= record["time/step_s"] * 1.001
     assert record["time/rollout_s"] >= sum(phases[:-1]) * 0.999
     assert set(TIMING_KEYS) <= set(record)
+
+
+def test_merged_copy_of_a_tied_model_stays_tied():
+    """SmolLM2 ties its LM head to the embeddings. The copy is built without random init (which also skips the
+    tying): it must be tied again, or it would hold a second vocabulary matrix the planner does not count."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, tie_word_embeddings=True)
+    base = LlamaForCausalLM(config).eval()
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    _perturb_policy(policy, "default")
+    merged = MergedPolicy(policy, "default")
+    model = merged.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    shape = ModelShape.from_config(config.to_dict(), name="tied")
+    assert merged.nbytes() == merged_rollout_bytes(shape, MemorySettings(merged_rollout=True))
+    assert merged.nbytes() - 4 * shape.n_params < 4 * 64  # the vocabulary matrix counted once: only buffers beyond
+    ids = torch.randint(0, 300, (3, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-4, rtol=0)

@@ -78,7 +78,15 @@ class MergedPolicy:
             del config.quantization_config  # the copy is dense
         device = next(base.parameters()).device
         self.peft_model, self.adapter, self.dtype = peft_model, adapter, dtype
-        self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval().requires_grad_(False)
+        from transformers.initialization import no_init_weights
+
+        # built on the target device without random initialisation (every weight is copied in by `refresh`; at 7B a
+        # random init would take minutes); no_init_weights also skips the tying of embeddings and LM head that
+        # post-init does, so tie them as `from_config` would
+        with torch.device(device), no_init_weights():
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.model.tie_weights()
+        self.model.eval().requires_grad_(False)
         self.model.generation_config = copy.deepcopy(base.generation_config)
         self.stale = True
         self.refresh()
@@ -112,8 +120,8 @@ class MergedPolicy:
         self.stale = False
 
     def nbytes(self) -> int:
-        """Bytes the dense copy holds (tied weights counted once)."""
+        """Bytes the dense copy holds: parameters (tied ones once) and buffers (RoPE's frequencies)."""
         seen = {}
-        for p in self.model.parameters():
-            seen[p.data_ptr()] = p.numel() * p.element_size()
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
         return sum(seen.values())
