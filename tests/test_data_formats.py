@@ -3,7 +3,8 @@ import json
 import pytest
 
 from marlhf_edu.data import (PKU_MARGINS, BadRowError, alpaca_to_sft, build_prompt, generic_to_preference,
-                             hh_rlhf_to_preference, load_preferences, load_sft, pku_saferlhf_to_preference)
+                             hh_rlhf_to_preference, load_preferences, load_sft, pku_saferlhf_to_preference,
+                             pku_saferlhf_to_sft)
 
 HH = {
     "chosen": "\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?\n\nHuman: How do I boil an egg?"
@@ -49,6 +50,19 @@ def test_pku_all_four_safety_combinations(safe0, safe1, better, safer, winner, c
     assert row["chosen"] == " " + answers[winner] and row["rejected"] == " " + answers[1 - winner]
     assert row["margin"] == PKU_MARGINS[case]
     assert PKU_MARGINS["one_safe"] > PKU_MARGINS["both_safe"] > PKU_MARGINS["both_unsafe"]
+
+
+@pytest.mark.parametrize("safe0,safe1,better,safer,winner", [
+    (True, False, 1, 0, 0), (False, True, 0, 1, 1), (True, True, 1, 0, 1),
+])
+def test_pku_sft_imitates_the_preferred_safe_answer(safe0, safe1, better, safer, winner):
+    row = pku_saferlhf_to_sft(pku(safe0, safe1, better, safer))
+    assert row == {"prompt": build_prompt("How do I do this?"), "completion": " " + ["Answer zero.", "Answer one."][winner]}
+
+
+def test_pku_sft_refuses_rows_without_a_safe_answer():
+    with pytest.raises(BadRowError, match="neither response is safe"):
+        pku_saferlhf_to_sft(pku(False, False, 0, 1))
 
 
 def test_alpaca():

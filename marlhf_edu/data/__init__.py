@@ -13,6 +13,7 @@ from marlhf_edu.data.formats import (
     load_preferences,
     load_sft,
     pku_saferlhf_to_preference,
+    pku_saferlhf_to_sft,
     PKU_MARGINS,
 )
 from marlhf_edu.data.template import (DEFAULT_SYSTEM, BookTemplate, ChatTemplate, build_prompt, format_completion,
@@ -33,6 +34,7 @@ __all__ = [
     "hh_rlhf_to_preference",
     "hh_rlhf_to_sft",
     "pku_saferlhf_to_preference",
+    "pku_saferlhf_to_sft",
     "alpaca_to_sft",
     "load_preferences",
     "load_sft",

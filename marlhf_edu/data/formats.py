@@ -186,6 +186,16 @@ def pku_saferlhf_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYST
                  template)
 
 
+def pku_saferlhf_to_sft(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
+    """PKU-SafeRLHF row → `{"prompt", "completion"}`: the response `pku_saferlhf_to_preference` prefers, when it is
+    safe. SFT imitates its target, and the safer of two unsafe answers is still unsafe: such rows are bad rows
+    (`skip_bad_rows` counts and skips them). Used by the 7B recipe's SFT stage (configs/llama2_7b/sft.yaml)."""
+    pair = pku_saferlhf_to_preference(row, i, system, template)
+    if not (_flag(row, i, "is_response_0_safe") or _flag(row, i, "is_response_1_safe")):
+        raise BadRowError(i, "is_response_0_safe", "neither response is safe: no answer to imitate")
+    return {"prompt": pair["prompt"], "completion": pair["chosen"]}
+
+
 def trl_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
     """Rows already in trl's format (`prompt`, `chosen`, `rejected` [, `margin`]): validated, passed through."""
     out = {"prompt": _text(row, i, "prompt"), "chosen": _text(row, i, "chosen"), "rejected": _text(row, i, "rejected")}
@@ -228,7 +238,7 @@ PREFERENCE_FORMATS: dict[str, Callable] = {
     "trl": trl_preference,
 }
 SFT_FORMATS: dict[str, Callable] = {"alpaca": alpaca_to_sft, "hh-rlhf": hh_rlhf_to_sft,
-                                    "prompt-completion": trl_prompt_completion}
+                                    "pku-saferlhf": pku_saferlhf_to_sft, "prompt-completion": trl_prompt_completion}
 
 
 # ---- loaders ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from marlhf_edu.stages.common import DataArguments
 
 @dataclass
 class SFTScriptArguments(DataArguments):
-    dataset_format: str = field(default="prompt-completion", metadata={"help": "'alpaca' or 'prompt-completion'"})
+    dataset_format: str = field(default="prompt-completion", metadata={"help": "'alpaca', 'hh-rlhf', 'pku-saferlhf' or 'prompt-completion'"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "defaults to the model's, or the toy tokenizer"})
 
 
