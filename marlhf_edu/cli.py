@@ -7,6 +7,7 @@
     marlhf-edu dpo --config configs/tiny_dpo.yaml     # contrasts (chapter 12): DPO and GRPO with trl
     marlhf-edu grpo --config configs/tiny_grpo.yaml
     marlhf-edu memory --config configs/tiny_ma_ppo.yaml   # planned bytes, four-model vs MA-PPO
+    marlhf-edu preflight --config configs/llama2_7b/ma_ppo.yaml --gpu_memory_gib 24 ...  # check a launch first
     marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch (--model smollm2: the SmolLM2 adapters)
 """
 
@@ -24,13 +25,14 @@ COMMANDS = {
     "dpo": ("marlhf_edu.stages.dpo", "DPO on preference pairs (trl DPOTrainer, LoRA, reference = disabled adapter)"),
     "grpo": ("marlhf_edu.stages.grpo", "GRPO, no critic (trl GRPOTrainer, LoRA, reward adapter or toy judge)"),
     "memory": ("marlhf_edu.memory.command", "plan the memory of four-model PPO and MA-PPO side by side"),
+    "preflight": ("marlhf_edu.memory.preflight", "check a launch before it runs: meta-device model, memory per GPU, command"),
     "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
 }
 
 
 def usage() -> str:
     lines = ["usage: marlhf-edu COMMAND --config FILE [--key value ...]", "", "commands:"]
-    lines += [f"  {name:6s} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:9s} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 

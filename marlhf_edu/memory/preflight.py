@@ -1,0 +1,128 @@
+"""`marlhf-edu preflight --config FILE`: check a PPO launch before it spends GPU hours. Runs in seconds on a CPU.
+
+    marlhf-edu preflight --config configs/llama2_7b/ma_ppo.yaml --model_shape llama-2-7b \
+        --weight_dtype bfloat16 --reward_lora_r 32 --reward_target_modules q_proj k_proj v_proj o_proj \
+        --gpu_memory_gib 24 [--num_gpus 1] [--tokens_per_s 900]
+
+1. builds the model from its shape on the meta device (no weights, no download) and checks that its parameter
+   count is the planner's: the plan below is about the real architecture, not a typo in a shape;
+2. plans the memory of one GPU for the config's engine (`ma-ppo` or four-model `ppo`, from `--command`): weights,
+   adapters, gradients, optimizer, KV cache, logits and activations, with each rank's share of the batch;
+3. compares the planned peak with the GPU's memory (`--gpu_memory_gib`, else the smallest visible GPU) and
+   fails, naming what to change, when it does not fit with `--headroom` to spare;
+4. prints the launch command and a time estimate with its basis: tokens per step, and a measured or stated
+   throughput (`--tokens_per_s`); without one it says which measurement to make.
+
+Data-parallel PPO is not implemented yet (issue 14): with `--num_gpus` > 1 the plan is per rank, and the
+command section says so instead of printing a launch that would not work. Taught with the 7B recipe (README).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from marlhf_edu.memory.command import MemoryArguments
+
+
+@dataclass
+class PreflightArguments(MemoryArguments):
+    command: str = field(default="ma-ppo", metadata={"help": "'ma-ppo' or 'ppo' (four models)"})
+    num_gpus: int = field(default=1, metadata={"help": "data-parallel ranks; each holds its own base"})
+    gpu_memory_gib: float = field(default=0.0, metadata={"help": "memory of one GPU; 0 = the smallest visible GPU"})
+    headroom: float = field(default=0.1, metadata={"help": "fraction of the GPU kept free (CUDA context, "
+                                                           "allocator fragmentation)"})
+    tokens_per_s: float = field(default=0.0, metadata={"help": "measured or stated throughput of one GPU, in "
+                                                                "prompt + response tokens per second of a whole step"})
+
+
+def meta_parameter_count(shape) -> int:
+    """Parameters of a Llama model of `shape`, built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.kv_heads,
+                         head_dim=shape.dim_head, tie_word_embeddings=shape.tie_word_embeddings)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def gpu_memory_bytes(args: PreflightArguments) -> tuple[int, str]:
+    """`(bytes, where the number comes from)` of one GPU."""
+    import torch
+
+    from marlhf_edu.stages.common import ConfigError
+
+    if args.gpu_memory_gib > 0:
+        return int(args.gpu_memory_gib * 2**30), "--gpu_memory_gib"
+    if torch.cuda.is_available():
+        sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+        return min(sizes), f"the smallest of {len(sizes)} visible GPU(s)"
+    raise ConfigError("no GPU is visible here: pass --gpu_memory_gib (for example 24 or 80) to check against one")
+
+
+def preflight(config, args: PreflightArguments, config_path: str = "<config>") -> dict:
+    """The checks above; returns what it printed as numbers (`plan`, `gpu_bytes`, `fits`, `tokens_per_step`, ...)."""
+    from marlhf_edu.memory.command import settings_and_shape
+    from marlhf_edu.memory.plan import _fmt, multi_adapter_settings, plan_four_model, plan_multi_adapter
+    from marlhf_edu.stages.common import ConfigError
+
+    if args.command not in ("ma-ppo", "ppo"):
+        raise ConfigError(f"--command must be 'ma-ppo' or 'ppo', got {args.command!r}")
+    if args.num_gpus < 1 or config.batch_size % args.num_gpus:
+        raise ConfigError(f"batch_size ({config.batch_size}) must split evenly over --num_gpus ({args.num_gpus})")
+    shape, s = settings_and_shape(config, args)
+    n_meta = meta_parameter_count(shape)
+    if n_meta != shape.n_params:
+        raise ConfigError(f"model shape {shape.name}: the meta-device model has {n_meta:,} parameters, the planner "
+                          f"counts {shape.n_params:,}; the plan would not describe this model")
+    per_rank = config.batch_size // args.num_gpus
+    s = replace(s, forward_batch_size=min(s.forward_batch_size, per_rank))
+    plan = plan_multi_adapter(shape, multi_adapter_settings(s)) if args.command == "ma-ppo" else plan_four_model(shape, s)
+    gpu, source = gpu_memory_bytes(args)
+    usable = gpu * (1 - args.headroom)
+    fits = plan.peak <= usable
+
+    print(f"model: {shape.name}, {shape.n_params:,} parameters (meta-device build agrees), {shape.num_layers} layers")
+    print(f"engine: {plan.architecture}, {args.num_gpus} GPU(s), {per_rank} rollouts per rank per step, "
+          f"{s.prompt_length} + {s.response_length} tokens, micro-batch {s.micro_batch_size}"
+          + (", gradient checkpointing" if s.gradient_checkpointing else ""))
+    print("planned per GPU:")
+    for part, nbytes in plan.parts.items():
+        print(f"  {part:12s} {_fmt(nbytes):>12s}")
+    print(f"  {'= peak':12s} {_fmt(plan.peak):>12s}   (model state + the larger of sampling and one update micro-batch)")
+    print(f"GPU: {_fmt(gpu)} ({source}); usable with {args.headroom:.0%} headroom: {_fmt(usable)} -> "
+          + ("fits" if fits else "DOES NOT FIT"))
+    tokens = config.batch_size * (s.prompt_length + s.response_length)
+    print(f"tokens per step: {tokens:,} ({config.batch_size} x ({s.prompt_length} + {s.response_length})), "
+          f"{config.total_steps} steps")
+    if args.tokens_per_s > 0:
+        step_s = tokens / (args.tokens_per_s * args.num_gpus)
+        print(f"time: about {step_s:.0f} s a step, {step_s * config.total_steps / 3600:.1f} h for the run, at "
+              f"{args.tokens_per_s:,.0f} tokens/s per GPU (as given: an estimate, not a measurement of this run)")
+    else:
+        print("time: no throughput given. Measure one on the GPU (python tools/bench_step.py --command "
+              f"{args.command} --config ... --steps 5) and pass --tokens_per_s")
+    if not fits:
+        largest = sorted(plan.parts.items(), key=lambda kv: -kv[1])[:3]
+        raise ConfigError(f"planned peak {_fmt(plan.peak)} exceeds {_fmt(usable)} usable on one GPU; the largest parts: "
+                          + ", ".join(f"{k} {_fmt(v)}" for k, v in largest) + ". Lower micro_batch_size or "
+                          "forward_batch_size, " + ("" if s.gradient_checkpointing else "turn on gradient_checkpointing, ")
+                          + "shorten max_new_tokens, or use a GPU with more memory")
+    if args.num_gpus == 1:
+        print(f"launch: marlhf-edu {args.command} --config {config_path}")
+    else:
+        print("launch: data-parallel PPO is not implemented yet (issue 14); the plan above is per rank")
+    return {"plan": plan, "gpu_bytes": gpu, "fits": fits, "tokens_per_step": tokens, "meta_params": n_meta}
+
+
+def main(argv: list[str] | None = None):
+    from marlhf_edu.ppo import PPOConfig
+    from marlhf_edu.stages.common import parse_stage_args
+
+    config, args = parse_stage_args((PPOConfig, PreflightArguments), argv)
+    config.validate()
+    path = argv[argv.index("--config") + 1] if argv and "--config" in argv else "<config>"
+    return preflight(config, args, path)

@@ -1,0 +1,51 @@
+"""`marlhf-edu preflight`: the meta-device check, the per-GPU verdict and the launch it prints, in seconds on CPU."""
+
+import pytest
+
+from marlhf_edu.cli import main as cli
+from marlhf_edu.memory import preflight as preflight_module
+from marlhf_edu.memory.plan import ModelShape
+from marlhf_edu.memory.preflight import main, meta_parameter_count
+from marlhf_edu.stages.common import ConfigError
+
+SEVEN_B = ["--config", "configs/llama2_7b/ma_ppo.yaml", "--model_shape", "llama-2-7b", "--weight_dtype", "bfloat16",
+           "--reward_lora_r", "32", "--reward_target_modules", "q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def test_meta_device_count_matches_the_planner_with_gqa_and_tied_embeddings():
+    smollm2 = ModelShape.from_config({"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                                      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                      "tie_word_embeddings": True}, name="smollm2")
+    assert meta_parameter_count(smollm2) == smollm2.n_params == 134_515_008
+    assert meta_parameter_count(ModelShape.resolve("llama-2-7b")) == 6_738_415_616
+
+
+def test_7b_recipe_fits_a_24_gb_gpu_and_prints_its_launch(capsys):
+    out = main(SEVEN_B + ["--gpu_memory_gib", "24", "--tokens_per_s", "1000"])
+    text = capsys.readouterr().out
+    assert out["fits"] and out["plan"].peak < 0.9 * 24 * 2**30
+    assert out["tokens_per_step"] == 16 * (64 + 256)
+    assert "launch: marlhf-edu ma-ppo --config configs/llama2_7b/ma_ppo.yaml" in text
+    assert "about 5 s a step" in text and "1.4 h for the run" in text  # 5120 tokens / 1000 per s, 1000 steps
+
+
+def test_too_small_a_gpu_fails_naming_the_largest_parts(capsys):
+    with pytest.raises(ConfigError, match=r"exceeds .* usable on one GPU; the largest parts: weights"):
+        main(SEVEN_B + ["--gpu_memory_gib", "6"])
+    assert cli(["preflight", *SEVEN_B, "--gpu_memory_gib", "6"]) == 2
+
+
+def test_per_rank_plan_and_no_pretend_launch_for_several_gpus(capsys):
+    one = main(SEVEN_B + ["--gpu_memory_gib", "80"])
+    two = main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "2"])
+    text = capsys.readouterr().out
+    assert "8 rollouts per rank" in text and "data-parallel PPO is not implemented yet" in text
+    assert two["plan"].parts["kv_cache"] == one["plan"].parts["kv_cache"] // 2  # each rank samples half the batch
+    with pytest.raises(ConfigError, match="split evenly"):
+        main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "3"])
+
+
+def test_a_shape_the_model_disagrees_with_is_refused(monkeypatch):
+    monkeypatch.setattr(preflight_module, "meta_parameter_count", lambda shape: shape.n_params + 1)
+    with pytest.raises(ConfigError, match="the meta-device model has"):
+        main(SEVEN_B + ["--gpu_memory_gib", "24"])
