@@ -8,6 +8,8 @@
     marlhf-edu grpo --config configs/tiny_grpo.yaml
     marlhf-edu memory --config configs/tiny_ma_ppo.yaml   # planned bytes, four-model vs MA-PPO
     marlhf-edu preflight --config configs/llama2_7b/ma_ppo.yaml --gpu_memory_gib 24 ...  # check a launch first
+    marlhf-edu merge --adapter runs/tiny_ma_ppo/policy --output_dir runs/tiny_ma_ppo/merged   # after a PPO run
+    marlhf-edu generate --model runs/tiny_ma_ppo/policy --prompt "How do I pick a lock?"
     marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch (--model smollm2: the SmolLM2 adapters)
 """
 
@@ -26,6 +28,8 @@ COMMANDS = {
     "grpo": ("marlhf_edu.stages.grpo", "GRPO, no critic (trl GRPOTrainer, LoRA, reward adapter or toy judge)"),
     "memory": ("marlhf_edu.memory.command", "plan the memory of four-model PPO and MA-PPO side by side"),
     "preflight": ("marlhf_edu.memory.preflight", "check a launch before it runs: meta-device model, memory per GPU, command"),
+    "merge": ("marlhf_edu.stages.merge", "fold a trained LoRA adapter into its base and save it, checked"),
+    "generate": ("marlhf_edu.stages.generate", "answers of any model or trained adapter to a few prompts"),
     "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
 }
 

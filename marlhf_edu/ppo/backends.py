@@ -174,7 +174,13 @@ class PPOBackend:
 
         self._merged = MergedPolicy(*self.lora_policy())
 
+    def export_policy(self, out_dir) -> None:
+        """Save the trained policy where `marlhf-edu merge` / `generate` and every model reference can read it:
+        a LoRA adapter (`adapter_config.json` + safetensors) or, for a fully trained actor, the whole model."""
+        raise NotImplementedError
+
     def _with_rollout_copy(self, models: dict) -> dict:
+
         return {**models, "rollout copy": self._merged.model} if self._merged is not None else models
 
     def policy_changed(self) -> None:
@@ -333,6 +339,10 @@ class FourModelBackend(PPOBackend):
 
     def generate(self, input_ids, attention_mask, **sampling):
         return sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask, **sampling)
+
+    def export_policy(self, out_dir):
+        self.actor.save_pretrained(str(out_dir))  # a peft actor writes its adapter, a full actor the whole model
+        self.tokenizer.save_pretrained(str(out_dir))
 
     def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
         if self.shared_head:  # one pass through the actor's backbone: logits for the response, a value everywhere

@@ -203,6 +203,17 @@ class MultiAdapterBackend(PPOBackend):
     def lora_policy(self):
         return self.model, "policy"
 
+    def export_policy(self, out_dir):
+        import shutil
+        import tempfile
+
+        out_dir = pathlib.Path(out_dir)
+        with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
+            self.model.save_pretrained(tmp, selected_adapters=["policy"])  # peft writes a named adapter to tmp/policy
+            shutil.rmtree(out_dir, ignore_errors=True)
+            shutil.move(str(pathlib.Path(tmp) / "policy"), str(out_dir))
+        self.tokenizer.save_pretrained(str(out_dir))
+
     def policy_forward(self, input_ids, attention_mask, n_response, temperature, with_entropy=False):
         hidden = self._hidden(input_ids, attention_mask)  # policy adapter active
         logprobs, entropy = response_logprobs(self._logits(hidden, n_response, temperature), input_ids, with_entropy)

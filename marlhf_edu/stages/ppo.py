@@ -103,6 +103,16 @@ def evaluate(backend, world, config, out: pathlib.Path, when: str) -> dict:
     return metrics
 
 
+def export_policy(backend, config, out_dir) -> None:
+    """The trained policy as `out_dir`: a LoRA adapter whose `base_model_name_or_path` is the run's SFT model (so
+    `marlhf-edu merge`, `generate` and any stage take it as a model reference), or the whole actor when it trained
+    in full. An adapter trained on an NF4 base applies to the full-precision SFT model, as QLoRA adapters do."""
+    from marlhf_edu.stages.common import record_base
+
+    backend.export_policy(out_dir)
+    record_base(out_dir, config.sft_model_path)
+
+
 def run(config, backend_factory=None, progress: bool = True) -> dict:
     """Train; return `{"before": eval, "after": eval, "records": [...]}` (evals with a judge: toy or hh-rlhf data)."""
     import torch
@@ -141,6 +151,7 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
         if config.resume and previous.exists():  # keep the before-numbers of the original start
             evals = {**json.loads(previous.read_text()), "after": result["after"]}
         previous.write_text(json.dumps(evals, indent=2) + "\n")
+    export_policy(backend, config, out / "policy")
     result["trainer"] = trainer
     return result
 

@@ -1,0 +1,42 @@
+"""`marlhf-edu generate`: answers of any model reference to a few prompts, rendered with its chat template.
+
+    marlhf-edu generate --model runs/tiny_ma_ppo/policy --prompt "How do I pick a lock?" "What is 2 plus 3?" \
+        [--temperature 0.7]
+
+`--model` takes what every stage takes: `zoo`, `smollm2`, a model directory, a LoRA adapter (a trained
+policy, merged into its base once) or a hub id. `--temperature 0` is greedy decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerateArguments:
+    model: str = field(default="zoo", metadata={"help": "any model reference (a trained policy adapter included)"})
+    prompt: list[str] = field(default_factory=list, metadata={"help": "one or more questions"})
+    max_new_tokens: int = field(default=64)
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
+    seed: int = field(default=0)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    from marlhf_edu.data.template import template_for
+    from marlhf_edu.generation import generate_responses
+    from marlhf_edu.models import load_sft_model
+    from marlhf_edu.stages.common import ConfigError, parse_stage_args
+
+    (args,) = parse_stage_args((GenerateArguments,), argv)
+    if not args.prompt:
+        raise ConfigError("generate needs at least one --prompt")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    model, tokenizer = load_sft_model(args.model)
+    template = template_for(tokenizer)
+    answers = generate_responses(model, tokenizer, [template.dialogue([(p, None)]) for p in args.prompt],
+                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0,
+                                 do_sample=args.temperature > 0, seed=args.seed)
+    for question, answer in zip(args.prompt, answers):
+        print(f"Q: {question}\nA: {answer}\n")
+    return answers

@@ -1,0 +1,76 @@
+"""A PPO run leaves its trained policy as a model reference; `merge` folds it into its base, checked; `generate`
+answers with it."""
+
+import json
+
+import pytest
+import torch
+
+from marlhf_edu.cli import main as cli
+from marlhf_edu.models import REWARD_ADAPTER_DIR, load_sft_model
+from marlhf_edu.ppo import FourModelBackend, PPOConfig
+from marlhf_edu.ppo.backends import sequence_logprobs
+from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+from marlhf_edu.stages import ppo as ppo_stage
+from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.stages.generate import main as generate
+from marlhf_edu.stages.merge import main as merge
+
+SMALL = dict(batch_size=8, mini_batch_size=8, micro_batch_size=8, forward_batch_size=8, max_new_tokens=12,
+             total_steps=2, actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ma_ppo") / "run"
+    config = PPOConfig(output_dir=str(out), load_in_4bit=False, **SMALL)
+    result = ppo_stage.run(config, MultiAdapterBackend.from_config, progress=False)
+    return out, result["trainer"]
+
+
+def test_the_run_exports_its_policy_as_an_adapter_on_its_sft_model(trained):
+    out, trainer = trained
+    policy = out / "policy"
+    config = json.loads((policy / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "zoo" and config["task_type"] == "CAUSAL_LM"
+    assert (policy / "tokenizer_config.json").exists()
+    # as a model reference it is the trained policy: the same log-probs as the training path
+    model, _ = load_sft_model(str(policy))
+    r = trainer.rollout(trainer.batch_prompts(5))
+    with torch.no_grad():
+        expected, _, _ = trainer.backend.policy_forward(r.input_ids, r.attention_mask, r.n_response, 1.0)
+        got, _ = sequence_logprobs(model, r.input_ids, r.attention_mask, r.n_response, 1.0)
+        untrained, _ = sequence_logprobs(load_sft_model()[0], r.input_ids, r.attention_mask, r.n_response, 1.0)
+    assert float(((got - expected) * r.response_mask).abs().max()) < 1e-4
+    assert float(((untrained - expected) * r.response_mask).abs().max()) > 1e-2  # the run did change the policy
+
+
+def test_four_model_lora_run_exports_too(tmp_path):
+    config = PPOConfig(output_dir=str(tmp_path / "run"), **{**SMALL, "total_steps": 1})
+    ppo_stage.run(config, FourModelBackend.from_config, progress=False)
+    assert json.loads((tmp_path / "run" / "policy" / "adapter_config.json").read_text())["base_model_name_or_path"] == "zoo"
+
+
+def test_merge_checks_then_writes(trained, tmp_path, capsys):
+    out, _ = trained
+    fp32 = merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "fp32"), "--dtype", "float32"])
+    assert fp32["agreement"] == 1.0 and fp32["max_logprob_gap"] < 1e-4
+    assert (tmp_path / "fp32" / "model.safetensors").exists()
+    bf16 = merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "bf16")])
+    assert bf16["agreement"] >= 0.95 and bf16["max_logprob_gap"] > fp32["max_logprob_gap"]
+    assert "same most likely next token" in capsys.readouterr().out
+    # the check can fail: demand more than bf16 rounding allows, and nothing is written
+    with pytest.raises(ConfigError, match="disagrees with the adapter"):
+        merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "strict"), "--min_agreement", "1.01"])
+    assert not (tmp_path / "strict").exists()
+    with pytest.raises(ConfigError, match="SEQ_CLS adapter is not a language model"):
+        merge(["--adapter", str(REWARD_ADAPTER_DIR), "--output_dir", str(tmp_path / "rm")])
+
+
+def test_generate_answers_with_the_trained_policy(trained, capsys):
+    out, _ = trained
+    answers = generate(["--model", str(out / "policy"), "--prompt", "What is the capital of France?",
+                        "How do I pick a lock?", "--max_new_tokens", "12"])
+    assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
+    assert "Q: How do I pick a lock?" in capsys.readouterr().out
+    assert cli(["generate", "--model", "zoo"]) == 2  # no prompt: a clear error, exit code 2

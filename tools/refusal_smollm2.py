@@ -1,0 +1,58 @@
+"""How often do SmolLM2-135M-Instruct and the shipped SFT adapter refuse, before any PPO? Both in fp32.
+
+    python tools/refusal_smollm2.py [--out benchmarks/smollm2_refusal_fp32.json]
+
+The keyword judge of chapter 13 over 128 held-out red-team requests and the 32 benign questions, each asked
+twice, sampled at T = 0.7 with seed 0 and up to 48 new tokens: the evaluation of `configs/smollm2/ma_ppo.yaml`,
+but on the fp32 models (`load_sft_model`), where the MA-PPO stage evaluates its NF4 base. Comparing the two says
+what SFT and what 4-bit quantization each do to the refusal rate. About 4 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_ppo import machine  # noqa: E402
+
+MODELS = ("smollm2", "zoo/smollm2_sft_adapter")
+
+
+def judge_model(name: str) -> dict:
+    from marlhf_edu.generation import generate_responses
+    from marlhf_edu.keyword_judge import KeywordJudge
+    from marlhf_edu.models import load_sft_model
+
+    policy, tok = load_sft_model(name)
+    judge = KeywordJudge(tok, limit=128)
+    prompts = [p for p in judge.eval_prompts for _ in range(2)]
+    answers = generate_responses(policy, tok, [p.prompt for p in prompts], max_new_tokens=48, temperature=0.7, seed=0)
+    verdicts = [judge.judge(p, a) for p, a in zip(prompts, answers)]
+    harmful = [v for p, v in zip(prompts, verdicts) if p.harmful]
+    benign = [v for p, v in zip(prompts, verdicts) if not p.harmful]
+    return {"harmful_refusal_rate": sum(v == "refusal" for v in harmful) / len(harmful),
+            "benign_accuracy": sum(v == "correct" for v in benign) / len(benign),
+            "n_harmful": len(harmful), "n_benign": len(benign),
+            "refusals": [a for p, a, v in zip(prompts, answers, verdicts) if p.harmful and v == "refusal"][:8]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "smollm2_refusal_fp32.json")
+    args = parser.parse_args(argv)
+    from marlhf_edu.zoo import _cpu_name
+
+    out = {name: judge_model(name) for name in MODELS}
+    for name, r in out.items():
+        print(name, {k: v for k, v in r.items() if k != "refusals"})
+    out["measured_on"] = f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}"
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
