@@ -30,15 +30,17 @@ def judge_model(name: str) -> dict:
 
     policy, tok = load_sft_model(name)
     judge = KeywordJudge(tok, limit=128)
+    answered = {}
+
+    def respond(prompts):
+        answered["answers"] = generate_responses(policy, tok, prompts, max_new_tokens=48, temperature=0.7, seed=0)
+        return answered["answers"]
+
+    rates = judge.evaluate(respond, repeats=2)  # the rates the MA-PPO stage reports, over the same judge
     prompts = [p for p in judge.eval_prompts for _ in range(2)]
-    answers = generate_responses(policy, tok, [p.prompt for p in prompts], max_new_tokens=48, temperature=0.7, seed=0)
-    verdicts = [judge.judge(p, a) for p, a in zip(prompts, answers)]
-    harmful = [v for p, v in zip(prompts, verdicts) if p.harmful]
-    benign = [v for p, v in zip(prompts, verdicts) if not p.harmful]
-    return {"harmful_refusal_rate": sum(v == "refusal" for v in harmful) / len(harmful),
-            "benign_accuracy": sum(v == "correct" for v in benign) / len(benign),
-            "n_harmful": len(harmful), "n_benign": len(benign),
-            "refusals": [a for p, a, v in zip(prompts, answers, verdicts) if p.harmful and v == "refusal"][:8]}
+    refusals = [a for p, a in zip(prompts, answered["answers"]) if p.harmful and judge.is_refusal(a)]
+    keys = ("harmful_refusal_rate", "benign_accuracy", "n_harmful", "n_benign")
+    return {**{k: rates[k] for k in keys}, "refusals": refusals[:8]}
 
 
 def main(argv=None):
