@@ -35,14 +35,18 @@ def test_too_small_a_gpu_fails_naming_the_largest_parts(capsys):
     assert cli(["preflight", *SEVEN_B, "--gpu_memory_gib", "6"]) == 2
 
 
-def test_per_rank_plan_and_no_pretend_launch_for_several_gpus(capsys):
+def test_per_rank_plan_and_the_data_parallel_launch_for_several_gpus(capsys):
     one = main(SEVEN_B + ["--gpu_memory_gib", "80"])
     two = main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "2"])
     text = capsys.readouterr().out
-    assert "8 rollouts per rank" in text and "data-parallel PPO is not implemented yet" in text
+    assert "8 rollouts per rank" in text
+    assert ("launch: accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml --num_processes 2 "
+            "-m marlhf_edu.cli ma-ppo --config configs/llama2_7b/ma_ppo.yaml") in text
     assert two["plan"].parts["kv_cache"] == one["plan"].parts["kv_cache"] // 2  # each rank samples half the batch
     with pytest.raises(ConfigError, match="split evenly"):
         main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "3"])
+    with pytest.raises(ConfigError, match="needs rollout_seeding: per_chunk"):
+        main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "2", "--rollout_seeding", "stream"])
 
 
 def test_a_shape_the_model_disagrees_with_is_refused(monkeypatch):

@@ -13,8 +13,9 @@
 4. prints the launch command and a time estimate with its basis: tokens per step, and a measured or stated
    throughput (`--tokens_per_s`); without one it says which measurement to make.
 
-Data-parallel PPO is not implemented yet (issue 14): with `--num_gpus` > 1 the plan is per rank, and the
-command section says so instead of printing a launch that would not work. Taught with the 7B recipe (README).
+With `--num_gpus` > 1 the plan is per rank (each holds its own base and samples batch_size / N rollouts) and the
+launch is `accelerate launch` of data-parallel PPO (chapter 15); the config's global batch shapes must split over
+the ranks. Taught in chapter 15.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>") -
         raise ConfigError(f"--command must be 'ma-ppo' or 'ppo', got {args.command!r}")
     if args.num_gpus < 1 or config.batch_size % args.num_gpus:
         raise ConfigError(f"batch_size ({config.batch_size}) must split evenly over --num_gpus ({args.num_gpus})")
+    config.validate_data_parallel(args.num_gpus)
     shape, s = settings_and_shape(config, args)
     n_meta = meta_parameter_count(shape)
     if n_meta != shape.n_params:
@@ -114,7 +116,8 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>") -
     if args.num_gpus == 1:
         print(f"launch: marlhf-edu {args.command} --config {config_path}")
     else:
-        print("launch: data-parallel PPO is not implemented yet (issue 14); the plan above is per rank")
+        print(f"launch: accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml --num_processes "
+              f"{args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}")
     return {"plan": plan, "gpu_bytes": gpu, "fits": fits, "tokens_per_step": tokens, "meta_params": n_meta}
 
 

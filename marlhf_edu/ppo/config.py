@@ -64,6 +64,7 @@ class PPOConfig:
     temperature: float = field(default=1.0, metadata={"help": "divides the logits in sampling and in scoring alike"})
     top_k: int = field(default=0, metadata={"help": "must stay 0 (off) for training: see validate()"})
     top_p: float = field(default=1.0, metadata={"help": "must stay 1.0 (off) for training: see validate()"})
+    rollout_seeding: str = field(default="stream", metadata={"help": "'stream': one random stream samples the whole batch, chunk after chunk; 'per_chunk': each forward chunk of the global batch is sampled from its own seed (seed, step, chunk), so the samples do not depend on how many ranks share the batch. Data-parallel runs need per_chunk"})
     # ---- scores ---------------------------------------------------------------------------
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
@@ -132,6 +133,8 @@ class PPOConfig:
              f"top_k={self.top_k}, top_p={self.top_p}: PPO needs the log-probs of the distribution it sampled from, and "
              "the engine scores tokens under the full softmax(z / T); set top_k: 0 and top_p: 1.0 for training "
              "(use them only for sampling outside PPO)")
+        need(self.rollout_seeding in ("stream", "per_chunk"),
+             f"rollout_seeding must be 'stream' or 'per_chunk', got {self.rollout_seeding!r}")
         need(self.early_stopping_check in ("epoch", "minibatch"),
              f"early_stopping_check must be 'epoch' or 'minibatch', got {self.early_stopping_check!r}")
         need(self.loss_aggregation in LOSS_AGGREGATIONS,
@@ -159,10 +162,32 @@ class PPOConfig:
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return self
 
+    def validate_data_parallel(self, world_size: int) -> "PPOConfig":
+        """Raise `ConfigError` unless the global batch shapes split over `world_size` ranks (chapter 14)."""
+        if world_size <= 1:
+            return self
+        if self.rollout_seeding != "per_chunk":
+            raise ConfigError(f"a data-parallel run ({world_size} ranks) needs rollout_seeding: per_chunk, so that a "
+                              "rollout's samples do not depend on how many ranks share the batch (a 2-rank run then "
+                              "equals a 1-process run on the same batch); set it in the config or pass --rollout_seeding per_chunk")
+        if self.batch_size % world_size:
+            raise ConfigError(f"batch_size ({self.batch_size}) is global and must split evenly over {world_size} ranks")
+        if self.mini_batch_size % (world_size * self.micro_batch_size):
+            raise ConfigError(f"mini_batch_size ({self.mini_batch_size}) is global and must split over {world_size} ranks "
+                              f"into whole micro-batches of micro_batch_size ({self.micro_batch_size}) each")
+        return self
+
     @property
     def resolved_device(self) -> str:
+        """The device this process trains on: in a data-parallel run on GPUs, rank r's local GPU (`cuda:LOCAL_RANK`),
+        as `accelerate launch` numbers them; each rank holds its own base there."""
+        import os
+
         import torch
 
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        return device

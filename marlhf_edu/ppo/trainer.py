@@ -17,7 +17,8 @@ One step, top to bottom (`PPOTrainer.step`):
 7. KL controller update with the batch's mean KL.
 
 Every formula comes from the foundation modules; this file only schedules them.
-Taught in chapter 09.
+Taught in chapter 09. Launched on several ranks (`accelerate launch`), each rank rolls out its shard of the batch
+and the experience is gathered before step 2, so every batch statistic is global (`distributed.py`, chapter 14).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, t
 from marlhf_edu.masked import masked_mean, masked_var, masked_whiten
 from marlhf_edu.ppo.backends import PPOBackend
 from marlhf_edu.ppo.config import PPOConfig
+from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo_objective import ppo_loss
 from marlhf_edu.scoring import score_texts_with
 from marlhf_edu.stages.common import ConfigError
@@ -151,11 +153,14 @@ class PPOTrainer:
             raise ConfigError(f"{len(too_long)} prompt(s) exceed max_prompt_length={config.max_prompt_length} tokens "
                               f"(first rows: {too_long[:5]}, longest {max(lengths)}); raise it or filter them")
         self.prompts = list(prompts)
+        self.dp = DataParallel.from_environment(backend.device)
+        config.validate_data_parallel(self.dp.world_size)
         if config.gradient_checkpointing:
             backend.enable_gradient_checkpointing()
         if config.merged_rollout:
             backend.use_merged_rollout()
         groups = backend.parameter_groups()
+        self.dp.broadcast_parameters([p for params in groups.values() for p in params])  # one starting point
         lrs = {"policy": config.learning_rate, "value": config.critic_learning_rate or config.learning_rate}
         self.optimizer = torch.optim.AdamW(
             [{"params": params, "lr": lrs[name], "name": name} for name, params in groups.items() if params],
@@ -189,19 +194,31 @@ class PPOTrainer:
     def _chunks(self, n: int, size: int):
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
+    def _sample(self, prompt_ids, prompt_mask, chunk: int) -> torch.Tensor:
+        """Sampled (b, P + r) ids of one forward chunk; `chunk` counts chunks over the global batch."""
+        cfg = self.config
+        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        if cfg.rollout_seeding == "stream":
+            return self.backend.generate(prompt_ids, prompt_mask, **sampling)
+        with fork_all_rngs():
+            torch.manual_seed(chunk_seed(cfg.seed, self.step_index, chunk))
+            return self.backend.generate(prompt_ids, prompt_mask, **sampling)
+
     @torch.no_grad()
     def rollout(self, prompts: list[str]) -> Rollout:
-        cfg, tok, be = self.config, self.tokenizer, self.backend
-        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left").to(be.device)
-        prompt_ids, prompt_mask = enc["input_ids"], enc["attention_mask"]
-        P, B = prompt_ids.shape[1], prompt_ids.shape[0]
+        """Experience for the global batch `prompts`. This rank samples, scores and evaluates its shard; the shards
+        are gathered (padded to common widths first), and the statistics are computed on the whole batch."""
+        cfg, tok, be, dp = self.config, self.tokenizer, self.backend, self.dp
+        enc = tok(dp.shard(prompts), return_tensors="pt", padding=True, padding_side="left").to(be.device)
+        P = dp.max_int(enc["input_ids"].shape[1])
+        prompt_ids, prompt_mask = left_pad_to(enc["input_ids"], enc["attention_mask"], P, tok.pad_token_id)
+        B = prompt_ids.shape[0]
         chunks = self._chunks(B, cfg.forward_batch_size)
+        first_chunk = dp.rank * len(chunks)
 
         with self.timer("generate"):
-            responses = [be.generate(prompt_ids[c], prompt_mask[c], max_new_tokens=cfg.max_new_tokens,
-                                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)[:, P:]
-                         for c in chunks]
-        R = max(r.shape[1] for r in responses)
+            responses = [self._sample(prompt_ids[c], prompt_mask[c], first_chunk + i)[:, P:] for i, c in enumerate(chunks)]
+        R = dp.max_int(max(r.shape[1] for r in responses))
         response = torch.cat([torch.nn.functional.pad(r, (0, R - r.shape[1]), value=tok.pad_token_id) for r in responses])
         response_mask = response_mask_from_ids(response, tok.eos_token_id)
         response = torch.where(response_mask, response, tok.pad_token_id)
@@ -211,7 +228,6 @@ class PPOTrainer:
         with self.timer("score"):
             raw_scores = torch.cat([be.scores(input_ids[c], attention_mask[c]) for c in chunks]).float()
         has_eos = ((response == tok.eos_token_id) & response_mask).any(dim=1)
-        scores = self.transform_scores(raw_scores, has_eos)
 
         logprobs, values, entropy, ref_logprobs = [], [], [], []
         for c in chunks:
@@ -221,6 +237,11 @@ class PPOTrainer:
             with self.timer("reference"):
                 ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
         logprobs, values, entropy, ref_logprobs = (torch.cat(x).float() for x in (logprobs, values, entropy, ref_logprobs))
+        # from here on: the global batch, the same on every rank (one process: the tensors as they are)
+        input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values, entropy, ref_logprobs = (
+            dp.gather(x) for x in (input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values,
+                                   entropy, ref_logprobs))
+        scores = self.transform_scores(raw_scores, has_eos)
 
         rewards, _, kls = token_level_rewards(scores, logprobs, ref_logprobs, response_mask, self.kl_controller.value,
                                               cfg.kl_estimator)
@@ -257,17 +278,19 @@ class PPOTrainer:
             epochs_run += 1
             for mb in torch.randperm(B, generator=self.shuffle).to(r.input_ids.device).split(cfg.mini_batch_size):
                 self.optimizer.zero_grad(set_to_none=True)
-                mb_stats = defaultdict(list)
-                for micro in mb.split(cfg.micro_batch_size):
+                mine = self.dp.shard(mb)  # this rank's part of the minibatch (all of it on one process)
+                micro_stats = []
+                for micro in mine.split(cfg.micro_batch_size):
                     loss, stats = self.micro_batch_loss(r, micro)
-                    (loss * (len(micro) / len(mb))).backward()
-                    for k, v in stats.items():
-                        mb_stats[k].append(float(v))
+                    (loss * (len(micro) / len(mine))).backward()
+                    micro_stats.append({k: float(v) for k, v in stats.items()})
+                mb_stats = self._global_micro_stats(micro_stats)
                 if any(mb_stats["skipped"]):
                     # a ratio beyond the threshold: no optimizer step at all. A zero loss alone is not enough,
                     # AdamW's momentum and weight decay would still move the weights.
                     skipped += 1
                 else:
+                    self.dp.average_gradients(params)  # every rank now holds the minibatch's mean gradient
                     if cfg.max_grad_norm is not None:
                         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
                     self.optimizer.step()
@@ -289,6 +312,15 @@ class PPOTrainer:
         out["ppo/epochs"] = epochs_run
         out["ppo/early_stopped"] = float(stop)
         return out
+
+    def _global_micro_stats(self, micro_stats: list[dict[str, float]]) -> dict[str, list[float]]:
+        """key → its value in every micro-batch of the minibatch, on all ranks in rank order: the list one process
+        would have made, so the skip and early-stop decisions and the logged means are the same on every rank."""
+        keys = list(micro_stats[0])
+        if self.dp.enabled:
+            table = torch.tensor([[s[k] for k in keys] for s in micro_stats], dtype=torch.float64)
+            micro_stats = [dict(zip(keys, row)) for row in self.dp.gather(table).tolist()]
+        return {k: [s[k] for s in micro_stats] for k in keys}
 
     def micro_batch_loss(self, r: Rollout, rows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`ppo_loss` of rollout rows `rows` under the current policy and critic (one forward with the graph)."""
@@ -360,25 +392,30 @@ class PPOTrainer:
         return self.output_dir / "metrics.jsonl"
 
     def train(self, progress: bool = True, trackers=None) -> list[dict]:
-        """Run to `total_steps` (from the latest checkpoint when `resume`), writing one JSONL record per step."""
+        """Run to `total_steps` (from the latest checkpoint when `resume`), writing one JSONL record per step.
+        In a data-parallel run every rank trains and returns the records; rank 0 alone writes them."""
         from tqdm.auto import tqdm
 
-        cfg = self.config
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        cfg, main = self.config, self.dp.is_main
         if cfg.resume:
             self.load_checkpoint()
         elif self.metrics_path.exists() or (self.output_dir / "checkpoints").exists():
             raise ConfigError(f"{self.output_dir} already holds a run; pass --resume true to continue it "
                               "or choose another output_dir")
+        self.dp.barrier()  # every rank has looked before rank 0 writes
+        if main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
         records = []
         # pass `disable` only to turn the bar off, so TQDM_DISABLE=1 in the environment still wins otherwise
-        bar = tqdm(total=cfg.total_steps, initial=self.step_index, desc="ppo", **({} if progress else {"disable": True}))
-        with open(self.metrics_path, "a") as log:
+        bar = tqdm(total=cfg.total_steps, initial=self.step_index, desc="ppo",
+                   **({} if progress and main else {"disable": True}))
+        with (open(self.metrics_path, "a") if main else contextlib.nullcontext()) as log:
             while self.step_index < cfg.total_steps:
                 record = self.step()
                 records.append(record)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+                if log is not None:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
                 if trackers is not None:
                     trackers.log(record, step=record["step"])
                 bar.update(1)
@@ -388,26 +425,41 @@ class PPOTrainer:
         bar.close()
         return records
 
+    def _rng_state(self) -> dict:
+        rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return rng
+
+    def _rng_file(self, rank: int) -> str:
+        return "rng.pt" if self.dp.world_size == 1 else f"rng-rank{rank}.pt"
+
     def save_checkpoint(self) -> pathlib.Path:
         """Write `checkpoints/step-NNNNNN/` atomically: into a temporary directory, then rename, then point
         `checkpoints/latest` at it (itself replaced atomically). A kill at any moment leaves the previous
-        checkpoint intact and `latest` naming a complete one."""
+        checkpoint intact and `latest` naming a complete one.
+
+        Data-parallel: the weights and optimizer are the same on every rank, so rank 0 writes them once; every
+        rank's random state is gathered and written beside them (`rng-rank{r}.pt`)."""
         from safetensors.torch import save_file
 
+        rngs = self.dp.gather_objects(self._rng_state())
         root = self.output_dir / "checkpoints"
-        root.mkdir(parents=True, exist_ok=True)
         name = f"step-{self.step_index:06d}"
+        if not self.dp.is_main:
+            self.dp.barrier()  # until rank 0 has written the checkpoint
+            return root / name
+        root.mkdir(parents=True, exist_ok=True)
         tmp, final = root / (name + ".tmp"), root / name
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_file({k: v.detach().contiguous().cpu() for k, v in self.backend.trainable_state_dict().items()},
                   str(tmp / "trainable.safetensors"))
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state(), "python": random.getstate()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, tmp / "rng.pt")
+        for rank, rng in enumerate(rngs):
+            torch.save(rng, tmp / self._rng_file(rank))
         state = {"step": self.step_index, "data_position": self.step_index * self.config.batch_size,
+                 "world_size": self.dp.world_size,
                  "kl_controller": self.kl_controller.state_dict(), "config": asdict(self.config)}
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
@@ -416,6 +468,7 @@ class PPOTrainer:
         os.replace(root / "latest.tmp", root / "latest")
         for old in sorted(p for p in root.glob("step-*") if p.name != name and not p.name.endswith(".tmp"))[:-1]:
             shutil.rmtree(old, ignore_errors=True)  # keep the newest two
+        self.dp.barrier()
         return final
 
     def load_checkpoint(self) -> int:
@@ -428,9 +481,14 @@ class PPOTrainer:
             raise ConfigError(f"--resume: no checkpoint in {root}")
         ckpt = root / (root / "latest").read_text().strip()
         state = json.loads((ckpt / "state.json").read_text())
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.dp.world_size:
+            raise ConfigError(f"--resume: {ckpt} was written by a run on {saved_world} rank(s), this one has "
+                              f"{self.dp.world_size}: resume with the same number of processes (each rank's random "
+                              "state and its shard of every batch belong to that layout)")
         self.backend.load_trainable_state_dict(load_file(str(ckpt / "trainable.safetensors"), device=str(self.backend.device)))
         self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=self.backend.device))
-        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        rng = torch.load(ckpt / self._rng_file(self.dp.rank), weights_only=False)
         torch.set_rng_state(rng["torch"])
         self.shuffle.set_state(rng["shuffle"])
         random.setstate(rng["python"])
@@ -438,7 +496,7 @@ class PPOTrainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.step_index = state["step"]
-        if self.metrics_path.exists():
+        if self.dp.is_main and self.metrics_path.exists():
             kept = [line for line in self.metrics_path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= self.step_index]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))

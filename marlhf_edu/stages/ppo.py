@@ -79,10 +79,10 @@ def evaluation_judge(config, tokenizer, toy=None):
     return None
 
 
-def evaluate(backend, world, config, out: pathlib.Path, when: str) -> dict:
+def evaluate(backend, world, config, out: pathlib.Path, when: str, write: bool = True) -> dict:
     """The judge's rates of the current policy (`eval_repeats` answers per prompt, sampled at the training
     temperature with seed 0) and its mean reward-model score; each answer goes to `out/eval_samples.jsonl`,
-    tagged `when`. With the keyword judge, also how well the reward model ranks its refusals above its
+    tagged `when` (unless `write` is false: the other ranks of a data-parallel run). With the keyword judge, also how well the reward model ranks its refusals above its
     compliances (`judge_auc`, chapter 13)."""
     from marlhf_edu.keyword_judge import KeywordJudge, judge_agreement
     from marlhf_edu.ppo.trainer import sample_toy, toy_metrics
@@ -94,6 +94,8 @@ def evaluate(backend, world, config, out: pathlib.Path, when: str) -> dict:
             metrics["judge_auc"] = judge_agreement(samples)["auc"]
         except ValueError:  # all refusals or none: nothing to rank
             pass
+    if not write:
+        return metrics
     out.mkdir(parents=True, exist_ok=True)
     path = out / "eval_samples.jsonl"
     # a resumed run keeps the answers of the original start and replaces any earlier "after"
@@ -118,8 +120,12 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     import torch
 
     from marlhf_edu.ppo import FourModelBackend, PPOTrainer
+    from marlhf_edu.ppo.distributed import DataParallel
 
     config.validate()
+    # launched by `accelerate launch` on several processes: join the run before loading anything (chapter 14)
+    dp = DataParallel.from_environment(config.resolved_device)
+    config.validate_data_parallel(dp.world_size)
     torch.manual_seed(config.seed)
     backend = (backend_factory or FourModelBackend.from_config)(config)
     toy = None
@@ -133,10 +139,12 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     out = pathlib.Path(config.output_dir)
     world = evaluation_judge(config, backend.tokenizer, toy)
     result = {}
+    # every rank evaluates (the same weights and seed give the same answers; nobody idles at a barrier past its
+    # timeout while rank 0 samples), rank 0 alone writes
     if world is not None and not config.resume:
-        result["before"] = evaluate(backend, world, config, out, "before")
+        result["before"] = evaluate(backend, world, config, out, "before", write=dp.is_main)
     trackers = None
-    if config.report_to not in ("none", "", None):
+    if config.report_to not in ("none", "", None) and dp.is_main:
         from accelerate import Accelerator
 
         trackers = Accelerator(log_with=config.report_to, project_dir=str(out), cpu=backend.device.type == "cpu")
@@ -145,13 +153,17 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     if trackers is not None:
         trackers.end_training()
     if world is not None:
-        result["after"] = evaluate(backend, world, config, out, "after")
+        result["after"] = evaluate(backend, world, config, out, "after", write=dp.is_main)
+    if world is not None and dp.is_main:
         evals = {k: result[k] for k in ("before", "after") if k in result}
         previous = out / "eval.json"
         if config.resume and previous.exists():  # keep the before-numbers of the original start
             evals = {**json.loads(previous.read_text()), "after": result["after"]}
         previous.write_text(json.dumps(evals, indent=2) + "\n")
-    export_policy(backend, config, out / "policy")
+    if dp.is_main:
+        export_policy(backend, config, out / "policy")
+    dp.barrier()  # no rank exits while rank 0 still writes
+    dp.close()
     result["trainer"] = trainer
     return result
 
@@ -164,6 +176,6 @@ def main(argv: list[str] | None = None, backend_factory=None):
     (config,) = parse_stage_args((PPOConfig,), argv)
     result = run(config, backend_factory)
     for key in ("before", "after"):
-        if key in result:
+        if key in result and result["trainer"].dp.is_main:
             print(key, json.dumps({k: round(v, 4) for k, v in result[key].items()}))
     return result

@@ -1,0 +1,235 @@
+"""Data-parallel PPO (marlhf_edu/ppo/distributed.py), proven on CPU: 2 gloo processes launched by `accelerate launch`.
+
+* A 2-rank run equals a 1-process run on the same global batch: rollout statistics, losses and every logged
+  number of 2 steps, and the trainable weights after them. Tolerance: 1e-6 relative on the logged numbers,
+  1e-6 absolute on weights. (With one thread per process they agree to the bit on the machines we tried; the
+  tolerance leaves room for a different summation order of the two ranks' gradients on other CPUs. Without the
+  gradient all-reduce the weights differ by ~1e-3 and the losses by 1e-4: see `test_ranks_take_the_mean_gradient`.)
+* A 2-rank run killed after a checkpoint and resumed equals one that was never interrupted.
+* Resuming with another number of ranks is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ACCELERATE = pathlib.Path(sys.executable).with_name("accelerate")
+# the tiny world on an NF4 base with policy, value and reward adapters: MA-PPO as the 7B run does it
+SHAPE = ["--config", "configs/tiny_ma_ppo.yaml", "--batch_size", "8", "--mini_batch_size", "4",
+         "--micro_batch_size", "2", "--forward_batch_size", "4", "--max_new_tokens", "12", "--eval_repeats", "0",
+         "--rollout_seeding", "per_chunk"]
+
+
+def _env() -> dict:
+    # one thread per process on both sides, as torch.distributed.run gives each rank
+    return {**os.environ, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_VERBOSITY": "error", "OMP_NUM_THREADS": "1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_ranks(*args) -> list[str]:
+    return [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
+            "--main_process_port", str(_free_port()), "-m", "marlhf_edu.cli", "ma-ppo", *SHAPE, *args]
+
+
+def _one_process(*args) -> list[str]:
+    return [sys.executable, "-m", "marlhf_edu.cli", "ma-ppo", *SHAPE, *args]
+
+
+def _run(cmd, timeout=300):
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def _records(out: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(out: pathlib.Path, step: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "checkpoints" / f"step-{step:06d}" / "trainable.safetensors"))
+
+
+def _assert_same_records(a: list[dict], b: list[dict]):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        keys = {k for k in ra if not k.startswith("time/")}
+        assert keys == {k for k in rb if not k.startswith("time/")}
+        for k in keys:
+            assert rb[k] == pytest.approx(ra[k], rel=1e-6, abs=1e-9), (ra["step"], k)
+
+
+def _assert_same_weights(a: dict, b: dict):
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """4 steps on 2 ranks, checkpoints after steps 2 and 4 (both kept)."""
+    out = tmp_path_factory.mktemp("ddp") / "two_ranks"
+    _run(_two_ranks("--total_steps", "4", "--save_steps", "2", "--output_dir", str(out)))
+    return out
+
+
+def test_two_ranks_equal_one_process_on_the_same_global_batch(two_rank_run, tmp_path):
+    one = tmp_path / "one"
+    _run(_one_process("--total_steps", "2", "--save_steps", "2", "--output_dir", str(one)))
+    two = _records(two_rank_run)
+    assert len(two) == 4  # rank 0 alone writes: one record per step, not one per rank
+    _assert_same_records(_records(one), two[:2])
+    _assert_same_weights(_weights(one, 2), _weights(two_rank_run, 2))
+    ckpt = two_rank_run / "checkpoints" / "step-000002"
+    assert json.loads((ckpt / "state.json").read_text())["world_size"] == 2
+    assert {p.name for p in ckpt.glob("rng*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
+    assert (two_rank_run / "policy" / "adapter_config.json").exists()
+
+
+def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_one(two_rank_run, tmp_path):
+    out = tmp_path / "killed"
+    cmd = _two_ranks("--total_steps", "4", "--save_steps", "2", "--output_dir", str(out))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    latest = out / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() == "step-000002"):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
+    proc.wait()
+    assert not (out / "checkpoints" / "step-000004").exists()
+    _run(_two_ranks("--total_steps", "4", "--save_steps", "2", "--output_dir", str(out), "--resume", "true"))
+    _assert_same_records(_records(two_rank_run), _records(out))
+    _assert_same_weights(_weights(two_rank_run, 4), _weights(out, 4))
+
+
+def test_resuming_with_another_number_of_ranks_is_refused(two_rank_run, tmp_path):
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(two_rank_run, out)
+    done = subprocess.run(_one_process("--total_steps", "6", "--output_dir", str(out), "--resume", "true"),
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "2 rank(s)" in done.stderr and "this one has 1" in done.stderr
+
+
+# ---- the collectives, on 2 gloo processes without models --------------------------------------
+
+def _mean_gradient_worker(rank: int, port: int, results):
+    import torch.distributed as dist
+
+    from marlhf_edu.ppo import distributed
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    distributed.BUCKET_ELEMENTS = 5  # several buckets, one parameter larger than a bucket
+    dp = distributed.DataParallel(rank, 2)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 4, 7, 1)]
+    for i, p in enumerate(params):
+        if not (i == 3 and rank == 0):  # the last parameter has a gradient on rank 1 only
+            p.grad = torch.full_like(p, 10.0 * i + rank)
+    dp.average_gradients(params)
+    gathered = dp.gather(torch.tensor([[rank, 1], [rank, 2]]))
+    results[rank] = ([p.grad.tolist() for p in params], gathered.tolist(), dp.max_int(rank + 3), dp.any(rank == 1),
+                     dp.shard(list(range(6))))
+    dist.destroy_process_group()
+
+
+def test_ranks_take_the_mean_gradient():
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_mean_gradient_worker, args=(_free_port(), results), nprocs=2)
+        results = dict(results)
+    # mean over ranks; the last parameter's missing gradient on rank 0 counts as zero: (0 + 31) / 2
+    mean = [[10.0 * i + 0.5] * n for i, n in enumerate((3, 4, 7))] + [[15.5]]
+    for rank in (0, 1):
+        got, gathered, biggest, anyone, shard = results[rank]
+        assert got == mean
+        assert gathered == [[0, 1], [0, 2], [1, 1], [1, 2]]  # rank 0's rows first
+        assert biggest == 4 and anyone is True
+        assert shard == ([0, 1, 2] if rank == 0 else [3, 4, 5])
+
+
+# ---- one process: what the data-parallel path adds ------------------------------------------
+
+def test_data_parallel_shapes_are_checked():
+    from marlhf_edu.ppo import PPOConfig
+    from marlhf_edu.stages.common import ConfigError
+
+    ok = PPOConfig(batch_size=8, mini_batch_size=4, micro_batch_size=2, rollout_seeding="per_chunk")
+    ok.validate_data_parallel(2)
+    PPOConfig().validate_data_parallel(1)  # one process: anything goes
+    with pytest.raises(ConfigError, match="rollout_seeding: per_chunk"):
+        PPOConfig(batch_size=8, mini_batch_size=4, micro_batch_size=2).validate_data_parallel(2)
+    with pytest.raises(ConfigError, match=r"batch_size \(6\) is global"):
+        PPOConfig(batch_size=6, mini_batch_size=2, micro_batch_size=1, rollout_seeding="per_chunk").validate_data_parallel(4)
+    with pytest.raises(ConfigError, match=r"mini_batch_size \(4\) is global.*micro_batch_size \(4\)"):
+        PPOConfig(batch_size=8, mini_batch_size=4, micro_batch_size=4, rollout_seeding="per_chunk").validate_data_parallel(2)
+    with pytest.raises(ConfigError, match="rollout_seeding must be"):
+        PPOConfig(rollout_seeding="per_rank").validate()
+
+
+def test_each_rank_trains_on_its_own_gpu(monkeypatch):
+    from marlhf_edu.ppo import PPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert PPOConfig(device="cuda").resolved_device == "cuda:3"
+    assert PPOConfig(device="cpu").resolved_device == "cpu"
+    assert PPOConfig(device="cuda:0").resolved_device == "cuda:0"  # an explicit GPU is taken as given
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert PPOConfig(device="cuda").resolved_device == "cuda"
+
+
+def test_left_padding_to_the_global_width():
+    from marlhf_edu.ppo.distributed import left_pad_to
+
+    ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    wide_ids, wide_mask = left_pad_to(ids, mask, 5, pad_id=0)
+    assert wide_ids.tolist() == [[0, 0, 0, 5, 6], [0, 0, 7, 8, 9]]
+    assert wide_mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
+    assert left_pad_to(ids, mask, 3, 0)[0] is ids
+
+
+def test_per_chunk_sampling_depends_only_on_seed_step_and_chunk(tmp_path, prompts):
+    """What makes the shards' samples independent of the number of ranks: the random stream of the rest of
+    the run (here: drawn from between two rollouts) does not change them; the step does."""
+    from conftest import build_trainer
+
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+
+    base = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_size=4, max_new_tokens=12,
+                device="cpu", rollout_seeding="per_chunk")
+    trainer = build_trainer(tmp_path, MultiAdapterBackend, prompts, base)
+    batch = trainer.batch_prompts(0)
+    first = trainer.rollout(batch).input_ids
+    torch.rand(1000)
+    assert torch.equal(trainer.rollout(batch).input_ids, first)
+    trainer.step_index = 1
+    assert not torch.equal(trainer.rollout(batch).input_ids, first)
+    stream = build_trainer(tmp_path / "stream", MultiAdapterBackend, prompts, {**base, "rollout_seeding": "stream"})
+    one = stream.rollout(batch).input_ids
+    assert not torch.equal(stream.rollout(batch).input_ids, one)  # the default: one stream, it moves on
