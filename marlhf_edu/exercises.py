@@ -785,3 +785,47 @@ def check_dequantize_q4_1(fn: Callable, seed: int = 0) -> CheckReport:
         case("a 3 × 64 matrix (each row its own blocks)", rng.standard_normal((3, 64))),
         case("a 576 × 96 matrix, SmolLM2's row width scale", 0.05 * rng.standard_normal((576, 96))),
     ])
+
+
+@_withholds("marlhf_edu.masked.masked_whiten", "marlhf_edu.masked.masked_var")
+def check_global_whiten(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(values, masks) -> list[Tensor]`: advantage whitening over a batch split across ranks.
+
+    Chapter 14's exercise. `values[r]` and `masks[r]` are rank r's (b_r, R) advantages and response mask; the
+    answer is one (b_r, R) tensor per rank, equal to `marlhf_edu.masked.masked_whiten` of the whole batch (the
+    ranks' rows concatenated) cut back into the ranks' rows: the mean over every selected token of every rank,
+    the unbiased variance with the global count, zeros where the mask is 0. A non-zero `seed` draws other cases.
+    """
+    from marlhf_edu.masked import masked_whiten
+
+    fn = _learner(fn, check_global_whiten)
+    gen = torch.Generator().manual_seed(seed + 14)
+
+    def case(label, values, masks):
+        def run():
+            got = fn([v.clone() for v in values], [m.clone() for m in masks])
+            if not isinstance(got, (list, tuple)) or len(got) != len(values):
+                return f"{label}: expected a list of {len(values)} tensors (one per rank), got {type(got).__name__}"
+            expected = masked_whiten(torch.cat(values), torch.cat(masks)).split([len(v) for v in values])
+            for rank, (g, e) in enumerate(zip(got, expected)):
+                problem = _compare(f"{label}, rank {rank}", g, e, 1e-5, 1e-5)
+                if problem:
+                    return problem
+            return None
+        return label, run
+
+    easy, hard = torch.tensor([[2.0, 3.0, 4.0]]), torch.tensor([[-4.0, -3.0, -2.0]])
+    full = torch.ones(1, 3, dtype=torch.bool)
+    return _run("check_global_whiten", [
+        case("one rank: plain whitening", [torch.tensor([[1.0, 2.0, 3.0, 6.0]])], [torch.ones(1, 4, dtype=torch.bool)]),
+        case("2 ranks, one easy prompt and one hard: the ranks' means differ", [easy, hard], [full, full]),
+        case("2 ranks with 3 rows and 1 row: weigh each rank by its tokens",
+             [torch.randn(3, 5, generator=gen) + 1, torch.randn(1, 5, generator=gen) - 2],
+             [torch.ones(3, 5, dtype=torch.bool), torch.ones(1, 5, dtype=torch.bool)]),
+        case("2 ranks, equal rows, different response lengths (count tokens, not rows)",
+             [torch.randn(4, 6, generator=gen) * 2, torch.randn(4, 6, generator=gen) + 3],
+             [_padded_mask(gen, 4, 6), torch.tensor([[1, 0, 0, 0, 0, 0]] * 4, dtype=torch.bool)]),
+        case("4 ranks of 4 responses of up to 8 tokens, padding holds garbage",
+             [torch.randn(4, 8, generator=gen) * (r + 1) + r for r in range(4)],
+             [_padded_mask(gen, 4, 8) for _ in range(4)]),
+    ])

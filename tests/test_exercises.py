@@ -342,3 +342,35 @@ def test_check_dequantize_q4_1_passes_the_reference_and_fails_classic_mistakes()
     assert not ex.check_dequantize_q4_1(lambda raw: reference(raw, swap_dm=True))
     assert not ex.check_dequantize_q4_1(lambda raw: reference(raw, nibble_scale=15))  # scaled into [0, 1]
     assert not ex.check_dequantize_q4_1(lambda raw: reference(raw).reshape(-1))  # lost the row shape
+
+
+def test_check_global_whiten_passes_the_reference_and_fails_classic_mistakes():
+    from marlhf_edu.masked import masked_whiten
+
+    def sums(values, masks, means="tokens", bessel=True, drop_mask=False):
+        """What each rank would all-reduce: token counts, sums, then squared deviations."""
+        masks = [torch.ones_like(m) if drop_mask else m.bool() for m in masks]
+        counts = [int(m.sum()) for m in masks]
+        totals = [float(torch.where(m, v, 0.0).sum()) for v, m in zip(values, masks)]
+        if means == "tokens":
+            mean = sum(totals) / sum(counts)
+        else:  # the mean of the ranks' means, each rank counted once
+            mean = sum(t / c for t, c in zip(totals, counts)) / len(counts)
+        n = sum(counts)
+        ss = sum(float(torch.where(m, (v - mean) ** 2, 0.0).sum()) for v, m in zip(values, masks))
+        std = (ss / (n - 1 if bessel else n) + 1e-8) ** 0.5
+        return [torch.where(m, (v - mean) / std, 0.0) for v, m in zip(values, masks)]
+
+    def per_rank(values, masks):  # each rank whitens its own shard: the bug data parallelism invites
+        out = []
+        for v, m in zip(values, masks):
+            out += sums([v], [m])
+        return out
+
+    assert ex.check_global_whiten(sums)
+    assert ex.check_global_whiten(sums, seed=7)
+    assert not ex.check_global_whiten(masked_whiten)  # withheld while the learner runs
+    assert not ex.check_global_whiten(per_rank)
+    assert not ex.check_global_whiten(lambda v, m: sums(v, m, means="ranks"))
+    assert not ex.check_global_whiten(lambda v, m: sums(v, m, bessel=False))
+    assert not ex.check_global_whiten(lambda v, m: sums(v, m, drop_mask=True))  # padding counted as tokens
