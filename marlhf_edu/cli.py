@@ -7,9 +7,11 @@
     marlhf-edu dpo --config configs/tiny_dpo.yaml     # contrasts (chapter 12): DPO and GRPO with trl
     marlhf-edu grpo --config configs/tiny_grpo.yaml
     marlhf-edu memory --config configs/tiny_ma_ppo.yaml   # planned bytes, four-model vs MA-PPO
+    marlhf-edu pipeline --config configs/llama2_7b/pipeline.yaml   # sft -> rm -> ma-ppo, each resumable
     marlhf-edu preflight --config configs/llama2_7b/ma_ppo.yaml --gpu_memory_gib 24 ...  # check a launch first
     marlhf-edu merge --adapter runs/tiny_ma_ppo/policy --output_dir runs/tiny_ma_ppo/merged   # after a PPO run
     marlhf-edu generate --model runs/tiny_ma_ppo/policy --prompt "How do I pick a lock?"
+    marlhf-edu evaluate --model runs/tiny_ma_ppo/policy --reward_adapter zoo   # judge + reward model, any policy
     marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch (--model smollm2: the SmolLM2 adapters)
 """
 
@@ -28,7 +30,9 @@ COMMANDS = {
     "grpo": ("marlhf_edu.stages.grpo", "GRPO, no critic (trl GRPOTrainer, LoRA, reward adapter or toy judge)"),
     "memory": ("marlhf_edu.memory.command", "plan the memory of four-model PPO and MA-PPO side by side"),
     "preflight": ("marlhf_edu.memory.preflight", "check a launch before it runs: meta-device model, memory per GPU, command"),
+    "pipeline": ("marlhf_edu.stages.pipeline", "SFT -> reward model -> (MA-)PPO in order, each stage resumable"),
     "merge": ("marlhf_edu.stages.merge", "fold a trained LoRA adapter into its base and save it, checked"),
+    "evaluate": ("marlhf_edu.stages.evaluate", "judge a trained policy (toy or keyword judge) and score it with a reward model"),
     "generate": ("marlhf_edu.stages.generate", "answers of any model or trained adapter to a few prompts"),
     "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
 }

@@ -74,3 +74,24 @@ def test_generate_answers_with_the_trained_policy(trained, capsys):
     assert len(answers) == 2 and all(isinstance(a, str) for a in answers)
     assert "Q: How do I pick a lock?" in capsys.readouterr().out
     assert cli(["generate", "--model", "zoo"]) == 2  # no prompt: a clear error, exit code 2
+
+
+def test_evaluate_a_trained_policy_as_the_engine_evaluates_it(trained, tmp_path):
+    """`marlhf-edu evaluate` on the exported policy gives the numbers the engine's own evaluation gives for the
+    trained policy (same judge, seed and sampling), and writes every answer."""
+    from marlhf_edu.ppo.trainer import evaluate_toy
+    from marlhf_edu.stages.evaluate import main as evaluate
+    from marlhf_edu.toyworld import ToyWorld
+
+    out, trainer = trained
+    engine = evaluate_toy(trainer.backend, ToyWorld(), repeats=2, max_new_tokens=12)
+    result = evaluate(["--model", str(out / "policy"), "--repeats", "2", "--max_new_tokens", "12",
+                       "--output_dir", str(tmp_path / "eval")])
+    assert result["judge"] == "toy"  # the toy tokenizer: the toy world judges
+    for key in ("harmful_refusal_rate", "benign_accuracy", "benign_over_refusal_rate"):
+        assert result[key] == engine[key], key
+    assert result["reward_model_score"] == pytest.approx(engine["reward_model_score"], abs=1e-5)
+    written = json.loads((tmp_path / "eval" / "eval_metrics.json").read_text())
+    assert written["answers"] == len((tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()) == 136
+    with pytest.raises(ConfigError, match="--judge must be one of"):
+        evaluate(["--judge", "gold"])

@@ -70,9 +70,11 @@ def synthetic_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
-def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_targets=None, seed: int = 0):
-    """Save a random fp32 Llama of `shape` (causal LM + tokenizer) in `out_dir/model` and a random SEQ_CLS
-    LoRA reward adapter with its score head in `out_dir/reward`. Returns the two paths."""
+def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_targets=None, seed: int = 0,
+                       reward: bool = True, dtype=None):
+    """Save a random Llama of `shape` (causal LM + tokenizer; fp32, or `dtype`) in `out_dir/model` and, with
+    `reward`, a random SEQ_CLS LoRA reward adapter with its score head in `out_dir/reward`. Returns the two paths
+    (the second is None without `reward`)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
@@ -89,8 +91,10 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          max_position_embeddings=512)
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(str(model_dir))
+    LlamaForCausalLM(config).to(dtype or torch.float32).save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))
+    if not reward:
+        return model_dir, None
     # the reward adapter is built on a 4-bit copy: its LoRA and head shapes are all that matter
     reward = load_nf4(AutoModelForSequenceClassification, model_dir, "cpu", num_labels=1)
     lora = LoraConfig(task_type="SEQ_CLS", r=reward_r, lora_alpha=8, target_modules=list(reward_targets or

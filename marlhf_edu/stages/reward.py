@@ -144,7 +144,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
                             peft_config=peft_config)
     if dtype is torch.float32:
         keep_trainable_dtype(trainer.model)  # trl casts QLoRA's trainable weights to bf16 (marlhf_edu.quantization)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes
     trainer.save_model(training_args.output_dir)
     record_base(training_args.output_dir, model_args.model_name_or_path)
     if script_args.dataset_name == "toy" and script_args.eval_pairs:

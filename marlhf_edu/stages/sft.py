@@ -71,7 +71,7 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
                          peft_config=get_peft_config(model_args))
     if torch_dtype(model_args) is torch.float32:
         keep_trainable_dtype(trainer.model)  # trl casts QLoRA's trainable weights to bf16 (marlhf_edu.quantization)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes
     trainer.save_model(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
     if name != "tiny-llama":

@@ -1,0 +1,96 @@
+"""`marlhf-edu evaluate`: judge a trained policy (or any model) with a judge that is written down, and score its
+answers with a reward model.
+
+    marlhf-edu evaluate --model runs/llama2_7b/ma_ppo/policy --reward_adapter runs/llama2_7b/rm \
+        [--judge keyword] [--prompts 64] [--repeats 4] [--output_dir runs/llama2_7b/eval]
+
+`--model` takes every model reference the stages take (a trained policy adapter is merged into its base once).
+The judge is the toy world's (`toy`, for the book's tiny models) or chapter 13's keyword judge (`keyword`: held-out
+hh-rlhf red-team requests, refusal rate, and benign questions with known answers); `auto` picks `toy` for a model
+with the book's toy tokenizer. Every answer is also scored by the reward adapter (its base is the one its
+`adapter_config.json` records, unless `--reward_base` says otherwise). Prints the rates; with `--output_dir`,
+writes `eval_metrics.json` and every answer to `eval_samples.jsonl`. Taught in chapter 15.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+JUDGES = ("auto", "toy", "keyword")
+
+
+@dataclass
+class EvaluateArguments:
+    model: str = field(default="zoo", metadata={"help": "any model reference (a trained policy adapter included)"})
+    reward_adapter: str = field(default="zoo", metadata={"help": "reward LoRA adapter with its score head; 'zoo' = shipped"})
+    reward_base: str = field(default="", metadata={"help": "base of the reward adapter; empty = the base it records"})
+    judge: str = field(default="auto", metadata={"help": "'toy', 'keyword' or 'auto' (toy for the toy tokenizer)"})
+    prompts: int = field(default=64, metadata={"help": "keyword judge: held-out red-team requests (plus its benign questions)"})
+    max_prompt_length: int = field(default=64, metadata={"help": "keyword judge: longer requests are left out"})
+    repeats: int = field(default=4, metadata={"help": "answers sampled per prompt"})
+    max_new_tokens: int = field(default=48)
+    temperature: float = field(default=1.0)
+    seed: int = field(default=0)
+    output_dir: str = field(default="", metadata={"help": "write eval_metrics.json and eval_samples.jsonl here"})
+
+
+def reward_base_of(adapter_dir) -> str:
+    """The base model an adapter records (`base_model_name_or_path` in its adapter_config.json)."""
+    import json
+    import pathlib
+
+    from marlhf_edu.stages.common import ConfigError
+
+    path = pathlib.Path(adapter_dir) / "adapter_config.json"
+    base = json.loads(path.read_text()).get("base_model_name_or_path") if path.exists() else None
+    if not base:
+        raise ConfigError(f"{adapter_dir}: no adapter_config.json naming its base; pass --reward_base")
+    return base
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import json
+    import pathlib
+
+    from marlhf_edu.keyword_judge import KeywordJudge, judge_agreement
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR, load_reward_model, load_sft_model, load_tokenizer
+    from marlhf_edu.ppo import ScoredPolicy
+    from marlhf_edu.ppo.backends import quiet_loading
+    from marlhf_edu.ppo.trainer import sample_toy, toy_metrics
+    from marlhf_edu.sources import local_path
+    from marlhf_edu.stages.common import ConfigError, parse_stage_args
+
+    (args,) = parse_stage_args((EvaluateArguments,), argv)
+    if args.judge not in JUDGES:
+        raise ConfigError(f"--judge must be one of {JUDGES}, got {args.judge!r}")
+    if args.repeats < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
+        raise ConfigError("--repeats, --prompts and --max_new_tokens must be >= 1 and --temperature > 0")
+    adapter = REWARD_ADAPTER_DIR if args.reward_adapter == "zoo" else local_path(args.reward_adapter)
+    reward_base = args.reward_base or (str(SFT_DIR) if args.reward_adapter == "zoo" else reward_base_of(adapter))
+    with quiet_loading():
+        policy, tokenizer = load_sft_model(SFT_DIR if args.model == "zoo" else args.model)
+        reward, _ = load_reward_model(reward_base, adapter)
+    judge = args.judge
+    if judge == "auto":
+        judge = "toy" if tokenizer.get_vocab() == load_tokenizer(TOKENIZER_DIR).get_vocab() else "keyword"
+    if judge == "toy":
+        from marlhf_edu.toyworld import ToyWorld
+
+        world = ToyWorld()
+    else:
+        world = KeywordJudge(tokenizer, limit=args.prompts, max_prompt_tokens=args.max_prompt_length)
+    backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer)
+    samples = sample_toy(backend, world, args.repeats, args.max_new_tokens, seed=args.seed, temperature=args.temperature)
+    metrics = {"judge": judge, "answers": len(samples), **toy_metrics(world, samples, args.repeats)}
+    if judge == "keyword":
+        try:
+            metrics["judge_auc"] = judge_agreement(samples)["auc"]
+        except ValueError:  # all refusals or none: nothing to rank
+            pass
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
+    if args.output_dir:
+        out = pathlib.Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        (out / "eval_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return {**metrics, "samples": samples}

@@ -1,0 +1,241 @@
+"""`marlhf-edu pipeline`: SFT → reward model → (MA-)PPO in order, each stage in its own directory, resumable.
+
+    marlhf-edu pipeline --config configs/llama2_7b/pipeline.yaml [--stages sft rm] [--sft.max_steps 10 ...]
+
+The pipeline file names each stage's own config, and optionally overrides for it:
+
+    stages:                 # run in this order; the PPO stage is `ppo` (four models) or `ma-ppo`
+      sft: configs/llama2_7b/sft.yaml
+      rm: configs/llama2_7b/rm.yaml
+      ma-ppo: configs/llama2_7b/ma_ppo.yaml
+    overrides:              # optional: any key of that stage's config
+      sft: {max_steps: 10}
+
+`--STAGE.KEY VALUE` on the command line overrides on top (`--ma-ppo.total_steps 5`). What it does:
+
+1. wires the stages: the reward model starts from the SFT stage's output, the PPO stage takes both (a stage's
+   own path is replaced, and the pipeline says so);
+2. parses and validates every stage's config before any work, so a typo in the last stage fails in seconds;
+3. runs the stages in order. A finished stage leaves `pipeline_stage.json` in its output directory and is
+   skipped next time; a stage that was stopped resumes from its last checkpoint (trl's `checkpoint-N` for SFT
+   and the reward model, `checkpoints/latest` for PPO); the others start.
+
+Under `accelerate launch` every rank runs every stage (trl's trainers and the PPO engine are data-parallel
+alike); rank 0 alone writes the markers. Taught in chapter 15.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import time
+
+#: stage name → (module with `main(argv)`, its config dataclasses, the key of its output directory)
+STAGES = {
+    "sft": ("marlhf_edu.stages.sft", "sft", "output_dir"),
+    "rm": ("marlhf_edu.stages.reward", "rm", "output_dir"),
+    "ppo": ("marlhf_edu.stages.ppo", "ppo", "output_dir"),
+    "ma-ppo": ("marlhf_edu.stages.ma_ppo", "ppo", "output_dir"),
+}
+MARKER = "pipeline_stage.json"
+
+
+def _config_types(kind: str):
+    if kind == "ppo":
+        from marlhf_edu.ppo import PPOConfig
+
+        return (PPOConfig,)
+    from trl import ModelConfig
+
+    if kind == "sft":
+        from trl import SFTConfig
+
+        from marlhf_edu.stages.sft import SFTScriptArguments
+
+        return (SFTScriptArguments, SFTConfig, ModelConfig)
+    from trl import RewardConfig
+
+    from marlhf_edu.stages.reward import RMScriptArguments
+
+    return (RMScriptArguments, RewardConfig, ModelConfig)
+
+
+def _as_argv(overrides: dict) -> list[str]:
+    from marlhf_edu.stages.common import ConfigError
+
+    argv = []
+    for key, value in overrides.items():
+        if value is None:
+            raise ConfigError(f"override {key}: null cannot be passed on; set it in the stage's own config")
+        if isinstance(value, (list, tuple)):
+            argv += [f"--{key}", *map(str, value)]
+        elif isinstance(value, bool):
+            argv += [f"--{key}", "true" if value else "false"]
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def split_cli(argv: list[str], names) -> tuple[dict[str, list[str]], list[str]]:
+    """`--STAGE.KEY V...` → {STAGE: ["--KEY", "V", ...]}; the rest is returned for the pipeline's own options."""
+    from marlhf_edu.stages.common import ConfigError
+
+    per_stage, rest, current = {}, [], None
+    for token in argv:
+        if token.startswith("--") and "." in token:
+            stage, key = token[2:].split(".", 1)
+            if stage not in names:
+                raise ConfigError(f"{token}: no stage {stage!r} in this pipeline (its stages: {', '.join(names)})")
+            current = per_stage.setdefault(stage, [])
+            current.append(f"--{key}")
+        elif token.startswith("--"):
+            current = rest
+            rest.append(token)
+        elif current is None:
+            raise ConfigError(f"pipeline: unexpected argument {token!r}")
+        else:
+            current.append(token)
+    return per_stage, rest
+
+
+class Stage:
+    """One stage of a pipeline: its name, command, config file and the argv it runs with."""
+
+    def __init__(self, name: str, config: str, argv: list[str]):
+        self.name, self.config, self.argv = name, config, argv
+        self.module, self.kind, self.output_key = STAGES[name]
+
+    def parse(self):
+        from marlhf_edu.stages.common import parse_stage_args
+
+        parsed = parse_stage_args(_config_types(self.kind), ["--config", self.config, *self.argv])
+        if self.kind == "ppo":
+            parsed[0].validate()
+        return parsed
+
+    def output_dir(self, parsed) -> pathlib.Path:
+        return pathlib.Path(getattr(parsed[1 if self.kind != "ppo" else 0], self.output_key))
+
+    def set(self, key: str, value: str) -> None:
+        self.argv += [f"--{key}", value]
+
+
+def load_pipeline(path: str, cli: list[str]) -> tuple[list[Stage], list[str]]:
+    """The stages of pipeline file `path` with the file's and the command line's overrides, and the remaining
+    command-line options."""
+    import yaml
+
+    from marlhf_edu.stages.common import ConfigError
+
+    if not os.path.exists(path):
+        raise ConfigError(f"pipeline file not found: {path}")
+    spec = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    unknown = set(spec) - {"stages", "overrides"}
+    if unknown or not isinstance(spec.get("stages"), dict) or not spec["stages"]:
+        raise ConfigError(f"{path}: a pipeline file has a 'stages' mapping (stage: config file) and optionally "
+                          f"'overrides'; got keys {sorted(spec)}")
+    names = list(spec["stages"])
+    bad = [n for n in names if n not in STAGES]
+    if bad:
+        raise ConfigError(f"{path}: unknown stage(s) {bad}; stages are {', '.join(STAGES)}")
+    if sum(n in ("ppo", "ma-ppo") for n in names) > 1:
+        raise ConfigError(f"{path}: one PPO stage per pipeline (ppo or ma-ppo)")
+    order = [n for n in STAGES if n in names]
+    if names != order:
+        raise ConfigError(f"{path}: stages run in the order sft, rm, ppo/ma-ppo; got {names}")
+    file_overrides = spec.get("overrides") or {}
+    extra = set(file_overrides) - set(names)
+    if extra:
+        raise ConfigError(f"{path}: overrides for stage(s) {sorted(extra)} that the pipeline does not run")
+    per_stage, rest = split_cli(cli, names)
+    stages = [Stage(n, str(spec["stages"][n]), _as_argv(file_overrides.get(n) or {}) + per_stage.get(n, []))
+              for n in names]
+    return stages, rest
+
+
+def wire(stages: list[Stage]) -> dict[str, str]:
+    """Point each stage at the outputs of the stages before it; returns {"stage.key": path} of what was set."""
+    by_name = {s.name: s for s in stages}
+    outputs = {s.name: str(s.output_dir(s.parse())) for s in stages}
+    wiring = {}
+    if "sft" in by_name and "rm" in by_name:
+        wiring["rm.model_name_or_path"] = outputs["sft"]
+    for ppo in ("ppo", "ma-ppo"):
+        if ppo in by_name:
+            if "sft" in by_name:
+                wiring[f"{ppo}.sft_model_path"] = outputs["sft"]
+                if ppo == "ppo":  # four models: the reward adapter's base is loaded on its own
+                    wiring["ppo.reward_base_path"] = outputs["sft"]
+            if "rm" in by_name:
+                wiring[f"{ppo}.reward_adapter_path"] = outputs["rm"]
+    for target, value in wiring.items():
+        name, key = target.split(".", 1)
+        by_name[name].set(key, value)
+    return wiring
+
+
+def resume_argv(stage: Stage, out: pathlib.Path) -> list[str]:
+    """The options that continue a stopped stage from its last checkpoint in `out` (none if it has none)."""
+    if stage.kind == "ppo":
+        return ["--resume", "true"] if (out / "checkpoints" / "latest").exists() else []
+    checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
+                         if p.name.split("-")[-1].isdigit() else -1)
+    return ["--resume_from_checkpoint", str(checkpoints[-1])] if checkpoints else []
+
+
+def run_pipeline(stages: list[Stage], only: list[str] | None = None, progress=print) -> list[dict]:
+    """Run the stages (all, or those named in `only`), skipping finished ones; one record per stage."""
+    import importlib
+
+    from marlhf_edu.stages.common import ConfigError
+
+    for name in only or []:
+        if name not in {s.name for s in stages}:
+            raise ConfigError(f"--stages: {name!r} is not a stage of this pipeline ({', '.join(s.name for s in stages)})")
+    wiring = wire(stages)
+    for target, value in wiring.items():
+        progress(f"pipeline: {target} = {value}")
+    parsed = {s.name: s.parse() for s in stages}  # every config checked before any work
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    records = []
+    for stage in stages:
+        out = stage.output_dir(parsed[stage.name])
+        if only and stage.name not in only:
+            continue
+        if (out / MARKER).exists():
+            progress(f"pipeline: {stage.name} finished earlier ({out / MARKER}), skipped")
+            records.append({"stage": stage.name, "status": "skipped", "output_dir": str(out)})
+            continue
+        resume = resume_argv(stage, out)
+        progress(f"pipeline: {stage.name} " + (f"resumes from {resume[-1] if stage.kind != 'ppo' else out / 'checkpoints'}"
+                                               if resume else "starts") + f" -> {out}")
+        start = time.perf_counter()
+        importlib.import_module(stage.module).main(["--config", stage.config, *stage.argv, *resume])
+        record = {"stage": stage.name, "status": "resumed" if resume else "ran", "output_dir": str(out),
+                  "config": stage.config, "argv": stage.argv, "seconds": round(time.perf_counter() - start, 1)}
+        if main_rank:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        records.append(record)
+    return records
+
+
+def main(argv: list[str] | None = None):
+    import sys
+
+    from marlhf_edu.stages.common import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
+        raise ConfigError("pipeline: pass --config PIPELINE.yaml (a file listing the stages' configs)")
+    i = argv.index("--config")
+    path, cli = argv[i + 1], argv[:i] + argv[i + 2:]
+    stages, rest = load_pipeline(path, cli)
+    only = None
+    if rest:
+        if rest[0] != "--stages" or len(rest) < 2 or any(t.startswith("--") for t in rest[1:]):
+            raise ConfigError(f"pipeline: unknown option(s) {rest}; its own option is --stages NAME ..., "
+                              "and --STAGE.KEY VALUE overrides a stage's config")
+        only = rest[1:]
+    return run_pipeline(stages, only)
