@@ -829,3 +829,43 @@ def check_global_whiten(fn: Callable, seed: int = 0) -> CheckReport:
              [torch.randn(4, 8, generator=gen) * (r + 1) + r for r in range(4)],
              [_padded_mask(gen, 4, 8) for _ in range(4)]),
     ])
+
+
+@_withholds("marlhf_edu.memory.plan.kv_cache_bytes")
+def check_kv_cache_bytes(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(shape, batch, tokens, bytes_per_value) -> int`: the bytes of a KV cache.
+
+    Chapter 15's exercise; compared exactly with `marlhf_edu.memory.plan.kv_cache_bytes` on Llama-2-7B, a model
+    with grouped-query attention (8 key/value heads to 32 query heads, as Llama-3-8B), SmolLM2-135M's shape (3 to
+    9) and random shapes. A non-zero `seed` draws other random shapes.
+    """
+    import random
+
+    from marlhf_edu.memory.plan import LLAMA_2_7B, ModelShape, kv_cache_bytes
+
+    fn = _learner(fn, check_kv_cache_bytes)
+    rng = random.Random(seed + 15)
+    gqa = ModelShape("gqa-8b", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                     num_heads=32, num_kv_heads=8)
+    smol = ModelShape("smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, tie_word_embeddings=True)
+
+    def case(label, shape, batch, tokens, nbytes):
+        def run():
+            got, expected = fn(shape, batch, tokens, nbytes), kv_cache_bytes(shape, batch, tokens, nbytes)
+            if not isinstance(got, (int, float)) or got != expected:
+                return f"{label}: got {got!r}, expected {expected:,} bytes"
+            return None
+        return label, run
+
+    heads = rng.choice([4, 8, 16])
+    odd = ModelShape("random", vocab_size=1000, hidden_size=heads * 64, intermediate_size=512,
+                     num_layers=rng.randint(2, 12), num_heads=heads, num_kv_heads=heads // rng.choice([1, 2, 4]),
+                     head_dim=rng.choice([0, 32, 96]))
+    return _run("check_kv_cache_bytes", [
+        case("Llama-2-7B, one sequence of one token, bf16", LLAMA_2_7B, 1, 1, 2),
+        case("Llama-2-7B, the 7B recipe's sampling batch: 16 x (64 + 256) tokens, bf16", LLAMA_2_7B, 16, 320, 2),
+        case("grouped-query attention: 8 key/value heads for 32 query heads", gqa, 8, 1024, 2),
+        case("SmolLM2-135M (3 key/value heads for 9), fp32", smol, 16, 112, 4),
+        case("a random shape (its head width may differ from hidden / heads)", odd, rng.randint(1, 9), rng.randint(1, 99), 2),
+    ])

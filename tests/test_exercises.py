@@ -374,3 +374,22 @@ def test_check_global_whiten_passes_the_reference_and_fails_classic_mistakes():
     assert not ex.check_global_whiten(lambda v, m: sums(v, m, means="ranks"))
     assert not ex.check_global_whiten(lambda v, m: sums(v, m, bessel=False))
     assert not ex.check_global_whiten(lambda v, m: sums(v, m, drop_mask=True))  # padding counted as tokens
+
+
+def test_check_kv_cache_bytes_passes_the_reference_and_fails_classic_mistakes():
+    from marlhf_edu.memory.plan import kv_cache_bytes
+
+    reference = private_copy(kv_cache_bytes)
+    assert ex.check_kv_cache_bytes(reference)
+    assert ex.check_kv_cache_bytes(reference, seed=4)
+    assert not ex.check_kv_cache_bytes(kv_cache_bytes)  # withheld while the learner runs
+
+    def cache(shape, b, t, nb, factor=2, heads="kv", width=None):
+        h = {"kv": shape.kv_heads, "q": shape.num_heads}[heads]
+        return factor * shape.num_layers * b * t * (width(shape) if width else h * shape.dim_head) * nb
+
+    assert ex.check_kv_cache_bytes(cache)  # the test's own derivation agrees
+    assert not ex.check_kv_cache_bytes(lambda s, b, t, nb: cache(s, b, t, nb, factor=1))  # keys only
+    assert not ex.check_kv_cache_bytes(lambda s, b, t, nb: cache(s, b, t, nb, heads="q"))  # every query head
+    assert not ex.check_kv_cache_bytes(lambda s, b, t, nb: cache(s, b, t, nb, width=lambda sh: sh.hidden_size))
+    assert not ex.check_kv_cache_bytes(lambda s, b, t, nb: cache(s, b, t, nb) / 2**30)  # GiB, not bytes

@@ -240,11 +240,22 @@ def optimizer_bytes(trainable_bytes: int, n_trainable: int, optimizer: str) -> i
     return int(OPTIMIZER_STATE_FACTOR[optimizer] * trainable_bytes)
 
 
+def kv_cache_bytes(shape: ModelShape, batch: int, tokens: int, bytes_per_value: int) -> int:
+    r"""Bytes of the KV cache with `batch` sequences of `tokens` tokens each in it.
+
+    .. math:: 2 \cdot L \cdot B \cdot T \cdot n_{kv} \cdot d_{head} \cdot \text{bytes}
+
+    Keys and values (the 2) of every layer and token, for the key/value heads only: with grouped-query attention
+    `n_kv` is smaller than the number of query heads. Taught in chapter 15.
+    """
+    return 2 * shape.num_layers * batch * tokens * shape.kv_heads * shape.dim_head * bytes_per_value
+
+
 def activation_bytes(shape: ModelShape, s: MemorySettings) -> dict[str, int]:
     """KV cache of one sampling batch and the largest logits tensor (fp32) of one forward."""
     wb = DTYPE_BYTES[s.weight_dtype]
     tokens = s.prompt_length + s.response_length
-    kv = 2 * shape.num_layers * s.forward_batch_size * tokens * shape.kv_heads * shape.dim_head * wb
+    kv = kv_cache_bytes(shape, s.forward_batch_size, tokens, wb)
     rows = max(s.forward_batch_size, s.micro_batch_size)
     return {"kv_cache": kv, "logits": rows * (s.response_length + 1) * shape.vocab_size * 4}
 

@@ -9,8 +9,8 @@ config checks) holds here; only the backend differs. Taught in chapter 10.
 from __future__ import annotations
 
 
-def main(argv: list[str] | None = None):
+def main(argv: list[str] | None = None, progress: bool = True):
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
     from marlhf_edu.stages import ppo
 
-    return ppo.main(argv, backend_factory=MultiAdapterBackend.from_config)
+    return ppo.main(argv, backend_factory=MultiAdapterBackend.from_config, progress=progress)

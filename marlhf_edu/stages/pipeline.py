@@ -184,8 +184,9 @@ def resume_argv(stage: Stage, out: pathlib.Path) -> list[str]:
     return ["--resume_from_checkpoint", str(checkpoints[-1])] if checkpoints else []
 
 
-def run_pipeline(stages: list[Stage], only: list[str] | None = None, progress=print) -> list[dict]:
-    """Run the stages (all, or those named in `only`), skipping finished ones; one record per stage."""
+def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, progress: bool = True) -> list[dict]:
+    """Run the stages (all, or those named in `only`), skipping finished ones; one record per stage. `log`
+    receives the pipeline's own lines; `progress=False` turns off the PPO stage's progress bar."""
     import importlib
 
     from marlhf_edu.stages.common import ConfigError
@@ -195,7 +196,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, progress=pr
             raise ConfigError(f"--stages: {name!r} is not a stage of this pipeline ({', '.join(s.name for s in stages)})")
     wiring = wire(stages)
     for target, value in wiring.items():
-        progress(f"pipeline: {target} = {value}")
+        log(f"pipeline: {target} = {value}")
     parsed = {s.name: s.parse() for s in stages}  # every config checked before any work
     main_rank = int(os.environ.get("RANK", "0")) == 0
     records = []
@@ -204,14 +205,16 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, progress=pr
         if only and stage.name not in only:
             continue
         if (out / MARKER).exists():
-            progress(f"pipeline: {stage.name} finished earlier ({out / MARKER}), skipped")
+            log(f"pipeline: {stage.name} finished earlier ({out / MARKER}), skipped")
             records.append({"stage": stage.name, "status": "skipped", "output_dir": str(out)})
             continue
         resume = resume_argv(stage, out)
-        progress(f"pipeline: {stage.name} " + (f"resumes from {resume[-1] if stage.kind != 'ppo' else out / 'checkpoints'}"
+        log(f"pipeline: {stage.name} " + (f"resumes from {resume[-1] if stage.kind != 'ppo' else out / 'checkpoints'}"
                                                if resume else "starts") + f" -> {out}")
         start = time.perf_counter()
-        importlib.import_module(stage.module).main(["--config", stage.config, *stage.argv, *resume])
+        argv = ["--config", stage.config, *stage.argv, *resume]
+        module = importlib.import_module(stage.module)
+        module.main(argv, progress=progress) if stage.kind == "ppo" else module.main(argv)
         record = {"stage": stage.name, "status": "resumed" if resume else "ran", "output_dir": str(out),
                   "config": stage.config, "argv": stage.argv, "seconds": round(time.perf_counter() - start, 1)}
         if main_rank:

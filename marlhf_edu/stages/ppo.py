@@ -168,13 +168,13 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None, backend_factory=None):
+def main(argv: list[str] | None = None, backend_factory=None, progress: bool = True):
     """`marlhf-edu ppo` (four models); `marlhf-edu ma-ppo` passes the multi-adapter backend's factory."""
     from marlhf_edu.ppo import PPOConfig
     from marlhf_edu.stages.common import parse_stage_args
 
     (config,) = parse_stage_args((PPOConfig,), argv)
-    result = run(config, backend_factory)
+    result = run(config, backend_factory, progress=progress)
     for key in ("before", "after"):
         if key in result and result["trainer"].dp.is_main:
             print(key, json.dumps({k: round(v, 4) for k, v in result[key].items()}))

@@ -1,0 +1,57 @@
+"""`check_run`: each rule fires on the sign it names, and a quiet run has no findings."""
+
+import pytest
+
+from marlhf_edu.ppo.watch import Finding, check_run
+
+
+def run(n=20, **curves):
+    """n step records; each curve is a function of the step (1..n), the rest held steady."""
+    base = {"score/mean": lambda t: 0.5, "kl/k1": lambda t: 1.0, "response/length": lambda t: 40.0,
+            "response/no_eos_rate": lambda t: 0.1, "policy/entropy": lambda t: 1.5,
+            "value/explained_variance": lambda t: 0.3, "ppo/skipped_minibatches": lambda t: 0}
+    base.update(curves)
+    return [{"step": t, **{k: f(t) for k, f in base.items()}} for t in range(1, n + 1)]
+
+
+def rules(records, **kw):
+    return [f.rule for f in check_run(records, **kw)]
+
+
+def test_a_steady_run_has_no_findings():
+    assert check_run(run()) == []
+
+
+@pytest.mark.parametrize("curve, rule", [
+    ({"kl/k1": lambda t: 0.5 * t}, "kl_runaway"),  # last 5 steps average 45 nats
+    ({"response/length": lambda t: 40.0 if t < 10 else 8.0}, "length_collapse"),
+    ({"response/no_eos_rate": lambda t: 0.1 if t < 10 else 0.9}, "length_runaway"),
+    ({"policy/entropy": lambda t: 1.5 if t < 10 else 0.3}, "entropy_collapse"),
+    ({"ppo/skipped_minibatches": lambda t: 1 if t == 7 else 0}, "skipped_minibatches"),
+    ({"value/explained_variance": lambda t: -0.5}, "critic_not_learning"),
+])
+def test_each_rule_fires_on_its_sign(curve, rule):
+    assert rules(run(**curve)) == [rule]
+
+
+def test_reward_hacking_needs_the_judge_to_fall_while_the_score_rises():
+    rising, falling = (lambda t: 0.1 * t), (lambda t: 1.0 - 0.02 * t)
+    assert rules(run(**{"score/mean": rising, "gold/mean": falling})) == ["reward_hacking"]
+    assert rules(run(**{"score/mean": rising, "gold/mean": lambda t: 0.8})) == []  # both fine: learning
+    assert rules(run(**{"score/mean": lambda t: 0.5, "gold/mean": falling})) == []  # the score did not rise
+
+
+def test_thresholds_are_the_arguments_and_findings_say_where():
+    records = run(**{"kl/k1": lambda t: 7.0})
+    assert rules(records) == ["kl_runaway"] and rules(records, kl_limit=8.0) == []
+    (finding,) = check_run(run(**{"ppo/skipped_minibatches": lambda t: 2 if t == 4 else 0}))
+    assert finding == Finding("skipped_minibatches", 4, "2 minibatch(es) skipped by the ratio threshold")
+    assert str(finding).startswith("step 4: skipped_minibatches:")
+
+
+def test_missing_keys_skip_their_rules_and_bad_input_is_refused():
+    assert check_run([{"step": 1, "score/mean": 0.0}]) == []
+    with pytest.raises(ValueError, match="no step records"):
+        check_run([])
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        check_run(run(), window=0)
