@@ -7,6 +7,8 @@
   gradient all-reduce the weights differ by ~1e-3 and the losses by 1e-4: see `test_ranks_take_the_mean_gradient`.)
 * A 2-rank run killed after a checkpoint and resumed equals one that was never interrupted.
 * Resuming with another number of ranks is refused, naming both.
+* The four-model engine (full fine-tuning, a separate critic) on 2 ranks equals 1 process too, and the whole
+  pipeline (trl's SFT and reward trainers, then MA-PPO) runs on 2 ranks.
 """
 
 from __future__ import annotations
@@ -43,13 +45,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(*args) -> list[str]:
+def _two_ranks(*args, command="ma-ppo", shape=SHAPE) -> list[str]:
     return [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
-            "--main_process_port", str(_free_port()), "-m", "marlhf_edu.cli", "ma-ppo", *SHAPE, *args]
+            "--main_process_port", str(_free_port()), "-m", "marlhf_edu.cli", command, *shape, *args]
 
 
-def _one_process(*args) -> list[str]:
-    return [sys.executable, "-m", "marlhf_edu.cli", "ma-ppo", *SHAPE, *args]
+def _one_process(*args, command="ma-ppo", shape=SHAPE) -> list[str]:
+    return [sys.executable, "-m", "marlhf_edu.cli", command, *shape, *args]
 
 
 def _run(cmd, timeout=300):
@@ -102,6 +104,42 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(two_rank_run, tmp_
     assert json.loads((ckpt / "state.json").read_text())["world_size"] == 2
     assert {p.name for p in ckpt.glob("rng*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
     assert (two_rank_run / "policy" / "adapter_config.json").exists()
+
+
+def test_four_model_full_fine_tuning_on_two_ranks_equals_one_process(tmp_path):
+    """The other engine: four models, every weight of the actor and the separate critic trained (no LoRA)."""
+    shape = ["--config", "configs/tiny_ppo.yaml", *SHAPE[2:], "--total_steps", "1", "--save_steps", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(_one_process("--output_dir", str(one), command="ppo", shape=shape))
+    _run(_two_ranks("--output_dir", str(two), command="ppo", shape=shape))
+    _assert_same_records(_records(one), _records(two))
+    weights = _weights(one, 1)
+    assert len(weights) > 50 and any(k.startswith("critic.") for k in weights)  # actor and critic, in full
+    _assert_same_weights(weights, _weights(two, 1))
+
+
+def test_the_whole_pipeline_runs_on_two_ranks(tmp_path):
+    """`marlhf-edu pipeline` under `accelerate launch`: trl's SFT and reward trainers and the PPO engine each run
+    data-parallel on the same two processes; rank 0 writes the stage markers."""
+    import yaml
+
+    out = tmp_path / "run"
+    spec = {"stages": {"sft": "configs/tiny_sft.yaml", "rm": "configs/tiny_rm.yaml", "ma-ppo": "configs/tiny_ma_ppo.yaml"},
+            "overrides": {
+                "sft": {"max_steps": 2, "per_device_train_batch_size": 4, "output_dir": str(out / "sft")},
+                "rm": {"max_steps": 2, "per_device_train_batch_size": 4, "eval_pairs": 8, "output_dir": str(out / "rm")},
+                "ma-ppo": {"total_steps": 1, "batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 2,
+                           "forward_batch_size": 4, "max_new_tokens": 8, "eval_repeats": 0,
+                           "rollout_seeding": "per_chunk", "output_dir": str(out / "ma_ppo")}}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    done = _run([str(ACCELERATE), "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml", "--main_process_port",
+                 str(_free_port()), "-m", "marlhf_edu.cli", "pipeline", "--config", str(path)])
+    for stage, sub in (("sft", "sft"), ("rm", "rm"), ("ma-ppo", "ma_ppo")):
+        assert json.loads((out / sub / "pipeline_stage.json").read_text())["stage"] == stage
+    assert done.stdout.count("pipeline: sft starts") == 2  # both ranks ran every stage
+    state = json.loads((out / "ma_ppo" / "checkpoints" / "step-000001" / "state.json").read_text())
+    assert state["world_size"] == 2 and len(_records(out / "ma_ppo")) == 1
 
 
 def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_one(two_rank_run, tmp_path):
