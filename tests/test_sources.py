@@ -1,6 +1,7 @@
 """Model references (`marlhf_edu.sources`): classification, GGUF conversion, adapter merging, the pad choice."""
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -91,6 +92,36 @@ def test_causal_adapter_merges_into_its_base(tmp_path, monkeypatch):
     assert (expected - plain).abs().max() > 1e-2  # the adapter does something
     assert torch.allclose(got, expected, atol=1e-4)
     assert load_tokenizer(tmp_path / "sft_adapter").get_vocab() == load_tokenizer("zoo").get_vocab()
+
+
+def test_merged_adapters_keep_their_base_dtype_and_never_share_a_cache_entry(tmp_path, monkeypatch):
+    """The same adapter weights on two bases (fp32 and a bf16 copy) give two merged models, each in its base's dtype:
+    the cache key covers the base, and a bf16 7B base is not blown up to fp32 on disk."""
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from marlhf_edu.models import SFT_DIR
+
+    monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "cache"))
+    AutoModelForCausalLM.from_pretrained(str(SFT_DIR)).to(torch.bfloat16).save_pretrained(tmp_path / "bf16_base")
+    load_tokenizer("zoo").save_pretrained(tmp_path / "bf16_base")
+    torch.manual_seed(0)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(str(SFT_DIR)),
+                          LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj"], init_lora_weights=False))
+    peft.save_pretrained(str(tmp_path / "a" / "policy"))  # two runs' exported policies: same name, same weights
+    shutil.copytree(tmp_path / "a" / "policy", tmp_path / "b" / "policy")
+    for run, base in (("a", "zoo"), ("b", str(tmp_path / "bf16_base"))):
+        config = json.loads((tmp_path / run / "policy" / "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = base
+        (tmp_path / run / "policy" / "adapter_config.json").write_text(json.dumps(config))
+    fp32_dir, bf16_dir = resolve_model(tmp_path / "a" / "policy"), resolve_model(tmp_path / "b" / "policy")
+    assert fp32_dir != bf16_dir  # equal weights, different bases
+    dtypes = {d: {t.dtype for t in load_file(str(pathlib.Path(d) / "model.safetensors")).values()}
+              for d in (fp32_dir, bf16_dir)}
+    assert dtypes == {fp32_dir: {torch.float32}, bf16_dir: {torch.bfloat16}}
 
 
 def test_align_pad():
