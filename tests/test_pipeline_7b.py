@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import random
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import yaml
 
 from marlhf_edu.stages.common import ConfigError
 from marlhf_edu.stages.pipeline import MARKER, load_pipeline, resume_argv, split_cli, wire
+from marlhf_edu.stages.smoke import smoke_overrides, write_pipeline, write_smoke_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PIPELINE = "configs/llama2_7b/pipeline.yaml"
@@ -40,44 +40,6 @@ ALLOWED = {
 }
 
 
-def pku_rows(n: int, seed: int = 0) -> list[dict]:
-    """Rows in PKU-SafeRLHF's schema, their texts made of the synthetic tokenizer's words."""
-    rng = random.Random(seed)
-
-    def words(k):
-        return " ".join(f"w{rng.randrange(4, 32000)}" for _ in range(k))
-
-    rows = []
-    for _ in range(n):
-        safe = [rng.random() < 0.6, rng.random() < 0.6]
-        rows.append({"prompt": words(rng.randrange(5, 20)), "response_0": words(rng.randrange(3, 20)),
-                     "response_1": words(rng.randrange(3, 20)), "prompt_source": "synthetic",
-                     "response_0_source": "synthetic", "response_1_source": "synthetic",
-                     "is_response_0_safe": safe[0], "is_response_1_safe": safe[1],
-                     "response_0_severity_level": 0 if safe[0] else 2, "response_1_severity_level": 0 if safe[1] else 1,
-                     "better_response_id": rng.randrange(2), "safer_response_id": rng.randrange(2)})
-    return rows
-
-
-def smoke_overrides(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path) -> dict:
-    cpu_train = dict(dataset_name=str(data), use_cpu=True, max_steps=2, per_device_train_batch_size=2,
-                     gradient_accumulation_steps=1, max_length=64, max_tokens=64, save_steps=1, logging_steps=1)
-    return {
-        "sft": dict(model_name_or_path=str(model), output_dir=str(out / "sft"), **cpu_train),
-        "rm": dict(output_dir=str(out / "rm"), per_device_eval_batch_size=4, eval_pairs=4, **cpu_train),
-        "ma-ppo": dict(dataset_name=str(data), device="cpu", total_steps=2, batch_size=2, mini_batch_size=2,
-                       micro_batch_size=1, forward_batch_size=2, max_new_tokens=8, output_dir=str(out / "ma_ppo")),
-    }
-
-
-def write_pipeline(path: pathlib.Path, overrides: dict) -> pathlib.Path:
-    spec = yaml.safe_load((ROOT / PIPELINE).read_text())
-    spec["stages"] = {k: str(ROOT / v) for k, v in spec["stages"].items()}
-    spec["overrides"] = overrides
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
-
-
 def run_cli(*args, timeout=900):
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_VERBOSITY": "error"}
@@ -90,21 +52,9 @@ def run_cli(*args, timeout=900):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """The whole 7B recipe, SFT → RM → MA-PPO, at Llama-2-7B's widths with 2 layers, on CPU."""
-    import torch
-
-    from marlhf_edu.memory.check import build_random_llama
-    from marlhf_edu.memory.plan import LLAMA_2_7B
-
     root = tmp_path_factory.mktemp("smoke7b")
-    shape = dataclasses.replace(LLAMA_2_7B, name="llama-2-7b-2-layers", num_layers=2)
-    model, _ = build_random_llama(shape, root, reward=False, dtype=torch.bfloat16)
-    data = root / "pku_saferlhf.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in pku_rows(24)))
-    overrides = smoke_overrides(model, data, root / "run")
-    path = write_pipeline(root / "pipeline.yaml", overrides)
-    log = run_cli("pipeline", "--config", str(path))
-    return {"root": root, "model": model, "data": data, "out": root / "run", "overrides": overrides,
-            "pipeline": path, "log": log, "shape": shape}
+    smoke = write_smoke_pipeline(root, num_layers=2, repo=ROOT)
+    return {**smoke, "root": root, "log": run_cli("pipeline", "--config", str(smoke["pipeline"]))}
 
 
 def test_the_7b_shaped_pipeline_runs_end_to_end(smoke):
@@ -170,7 +120,7 @@ def test_a_stopped_stage_resumes_and_finished_ones_are_skipped(smoke, tmp_path):
     shutil.copytree(smoke["out"] / "sft", out / "sft")
     (out / "rm").mkdir(parents=True)
     shutil.copytree(smoke["out"] / "rm" / "checkpoint-1", out / "rm" / "checkpoint-1")
-    path = write_pipeline(tmp_path / "pipeline.yaml", smoke_overrides(smoke["model"], smoke["data"], out))
+    path = write_pipeline(tmp_path / "pipeline.yaml", smoke_overrides(smoke["model"], smoke["data"], out), ROOT)
     log = run_cli("pipeline", "--config", str(path), "--stages", "sft", "rm")
     assert "pipeline: sft finished earlier" in log
     assert f"pipeline: rm resumes from {out / 'rm' / 'checkpoint-1'}" in log

@@ -180,7 +180,6 @@ class PPOBackend:
         raise NotImplementedError
 
     def _with_rollout_copy(self, models: dict) -> dict:
-
         return {**models, "rollout copy": self._merged.model} if self._merged is not None else models
 
     def policy_changed(self) -> None:

@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> dict:
     import json
     import pathlib
 
-    from marlhf_edu.keyword_judge import KeywordJudge, judge_agreement
+    from marlhf_edu.keyword_judge import KeywordJudge
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR, load_reward_model, load_sft_model, load_tokenizer
     from marlhf_edu.ppo import ScoredPolicy
     from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.ppo.trainer import sample_toy, toy_metrics
     from marlhf_edu.sources import local_path
     from marlhf_edu.stages.common import ConfigError, parse_stage_args
+    from marlhf_edu.stages.ppo import judge_policy
 
     (args,) = parse_stage_args((EvaluateArguments,), argv)
     if args.judge not in JUDGES:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     adapter = REWARD_ADAPTER_DIR if args.reward_adapter == "zoo" else local_path(args.reward_adapter)
     reward_base = args.reward_base or (str(SFT_DIR) if args.reward_adapter == "zoo" else reward_base_of(adapter))
     with quiet_loading():
-        policy, tokenizer = load_sft_model(SFT_DIR if args.model == "zoo" else args.model)
+        policy, tokenizer = load_sft_model(args.model)
         reward, _ = load_reward_model(reward_base, adapter)
     judge = args.judge
     if judge == "auto":
@@ -80,13 +80,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         world = KeywordJudge(tokenizer, limit=args.prompts, max_prompt_tokens=args.max_prompt_length)
     backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer)
-    samples = sample_toy(backend, world, args.repeats, args.max_new_tokens, seed=args.seed, temperature=args.temperature)
-    metrics = {"judge": judge, "answers": len(samples), **toy_metrics(world, samples, args.repeats)}
-    if judge == "keyword":
-        try:
-            metrics["judge_auc"] = judge_agreement(samples)["auc"]
-        except ValueError:  # all refusals or none: nothing to rank
-            pass
+    metrics, samples = judge_policy(backend, world, args.repeats, args.max_new_tokens, args.temperature, args.seed)
+    metrics = {"judge": judge, "answers": len(samples), **metrics}
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))
     if args.output_dir:
         out = pathlib.Path(args.output_dir)

@@ -31,12 +31,12 @@ import os
 import pathlib
 import time
 
-#: stage name → (module with `main(argv)`, its config dataclasses, the key of its output directory)
+#: stage name → (module with `main(argv)`, the kind of config it parses: `_config_types`)
 STAGES = {
-    "sft": ("marlhf_edu.stages.sft", "sft", "output_dir"),
-    "rm": ("marlhf_edu.stages.reward", "rm", "output_dir"),
-    "ppo": ("marlhf_edu.stages.ppo", "ppo", "output_dir"),
-    "ma-ppo": ("marlhf_edu.stages.ma_ppo", "ppo", "output_dir"),
+    "sft": ("marlhf_edu.stages.sft", "sft"),
+    "rm": ("marlhf_edu.stages.reward", "rm"),
+    "ppo": ("marlhf_edu.stages.ppo", "ppo"),
+    "ma-ppo": ("marlhf_edu.stages.ma_ppo", "ppo"),
 }
 MARKER = "pipeline_stage.json"
 
@@ -104,7 +104,7 @@ class Stage:
 
     def __init__(self, name: str, config: str, argv: list[str]):
         self.name, self.config, self.argv = name, config, argv
-        self.module, self.kind, self.output_key = STAGES[name]
+        self.module, self.kind = STAGES[name]
 
     def parse(self):
         from marlhf_edu.stages.common import parse_stage_args
@@ -115,7 +115,8 @@ class Stage:
         return parsed
 
     def output_dir(self, parsed) -> pathlib.Path:
-        return pathlib.Path(getattr(parsed[1 if self.kind != "ppo" else 0], self.output_key))
+        """Where the stage writes: `output_dir` of its PPOConfig, or of its trl training arguments."""
+        return pathlib.Path(parsed[0 if self.kind == "ppo" else 1].output_dir)
 
     def set(self, key: str, value: str) -> None:
         self.argv += [f"--{key}", value]

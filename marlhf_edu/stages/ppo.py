@@ -79,21 +79,28 @@ def evaluation_judge(config, tokenizer, toy=None):
     return None
 
 
-def evaluate(backend, world, config, out: pathlib.Path, when: str, write: bool = True) -> dict:
-    """The judge's rates of the current policy (`eval_repeats` answers per prompt, sampled at the training
-    temperature with seed 0) and its mean reward-model score; each answer goes to `out/eval_samples.jsonl`,
-    tagged `when` (unless `write` is false: the other ranks of a data-parallel run). With the keyword judge, also how well the reward model ranks its refusals above its
-    compliances (`judge_auc`, chapter 13)."""
+def judge_policy(backend, world, repeats: int, max_new_tokens: int, temperature: float, seed: int = 0):
+    """`(metrics, samples)`: the judge's rates of `repeats` sampled answers per prompt and their mean reward-model
+    score; with the keyword judge, also how well the reward model ranks its refusals above its compliances
+    (`judge_auc`, chapter 13). Used by the PPO stages before and after training and by `marlhf-edu evaluate`."""
     from marlhf_edu.keyword_judge import KeywordJudge, judge_agreement
     from marlhf_edu.ppo.trainer import sample_toy, toy_metrics
 
-    samples = sample_toy(backend, world, config.eval_repeats, config.max_new_tokens, temperature=config.temperature)
-    metrics = toy_metrics(world, samples, config.eval_repeats)
+    samples = sample_toy(backend, world, repeats, max_new_tokens, seed=seed, temperature=temperature)
+    metrics = toy_metrics(world, samples, repeats)
     if isinstance(world, KeywordJudge):
         try:
             metrics["judge_auc"] = judge_agreement(samples)["auc"]
         except ValueError:  # all refusals or none: nothing to rank
             pass
+    return metrics, samples
+
+
+def evaluate(backend, world, config, out: pathlib.Path, when: str, write: bool = True) -> dict:
+    """`judge_policy` of the current policy (`eval_repeats` answers per prompt, sampled at the training
+    temperature with seed 0); each answer goes to `out/eval_samples.jsonl`, tagged `when` (unless `write` is
+    false: the other ranks of a data-parallel run)."""
+    metrics, samples = judge_policy(backend, world, config.eval_repeats, config.max_new_tokens, config.temperature)
     if not write:
         return metrics
     out.mkdir(parents=True, exist_ok=True)
