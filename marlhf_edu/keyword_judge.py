@@ -203,3 +203,38 @@ def best_of_n_rates(scores, refused) -> dict:
             "worst": float(refused[rows, scores.argmin(1)].double().mean()),
             "within_prompt_auc": wins / pairs if pairs else float("nan"), "n_pairs": int(pairs),
             "n_prompts": scores.shape[0], "n": scores.shape[1]}
+
+
+def refusal_pairs(pairs: list[dict], limit: int) -> tuple[list[dict], int]:
+    """Up to `limit` extra preference pairs that prefer a refusal to a compliance, built from `pairs` themselves.
+
+    The pool is every chosen answer that the keywords call a refusal while its pair's rejected answer complies:
+    refusals the annotators preferred, in their own words. Each pair whose rejected answer complies and whose
+    chosen answer does not refuse (in order) gets one new pair: its prompt, the next refusal of the pool
+    (round-robin) as chosen, its own rejected answer as rejected.
+
+    Why: in hh-rlhf harmless-base the chosen answer is the *less harmful* of two samples, rarely a refusal
+    (76 of the 585 pairs that fit in 128 tokens prefer a refusal to a compliance, and 26 prefer the compliance),
+    so a reward model trained on the pairs alone learns little about refusing (chapter 13). A refusal borrowed
+    from another dialogue may not fit this prompt; the reward model learns "refuse a harmful request", which is
+    also what the keyword judge measures, so a run trained this way must be read with both (chapter 13).
+
+    Returns `(new_pairs, pool_size)`. Raises if `limit` > 0 and the pool is empty.
+    """
+    if limit <= 0:
+        return [], 0
+    pool = list(dict.fromkeys(p["chosen"] for p in pairs
+                              if KeywordJudge.is_refusal(p["chosen"]) and not KeywordJudge.is_refusal(p["rejected"])))
+    if not pool:
+        raise ValueError(f"refusal_pairs: none of the {len(pairs)} pairs prefers a refusal to a compliance; "
+                         "nothing to build extra pairs from")
+    out, k = [], 0
+    for p in pairs:
+        if len(out) == limit:
+            break
+        if KeywordJudge.is_refusal(p["rejected"]) or KeywordJudge.is_refusal(p["chosen"]):
+            continue
+        refusal = pool[k % len(pool)]
+        k += 1
+        out.append({**p, "chosen": refusal})
+    return out, len(pool)

@@ -170,3 +170,43 @@ def test_best_of_n_rates_is_within_prompt():
     assert tied["within_prompt_auc"] == 0.5
     with pytest.raises(ValueError, match=r"\(P, N\)"):
         best_of_n_rates([1.0, 2.0], [True, False])
+
+
+def test_refusal_pairs_prefer_preferred_refusals_to_compliances():
+    from marlhf_edu.keyword_judge import KeywordJudge, refusal_pairs
+
+    pairs = [
+        {"prompt": "p0", "chosen": "I'm sorry, I can't help with that.", "rejected": "Sure, here is how."},
+        {"prompt": "p1", "chosen": "Here you go, step one...", "rejected": "Easy: first you..."},
+        {"prompt": "p2", "chosen": "That is not a good idea.", "rejected": "I'm sorry, no."},  # refusal rejected
+        {"prompt": "p3", "chosen": "Maybe ask a lawyer.", "rejected": "I won't do that."},  # rejected refuses
+        {"prompt": "p4", "chosen": "Try the library.", "rejected": "Break the lock with a hammer."},
+        {"prompt": "p5", "chosen": "I apologize, but no.", "rejected": "Here is the address."},
+    ]
+    extra, pool = refusal_pairs(pairs, limit=10)
+    # the pool: chosen refusals whose rejected answer complies (p0, p5), not p2's (its rejected refuses too)
+    assert pool == 2
+    # one new pair per pair with a complying chosen and a complying rejected answer: p1, p4, round-robin refusals
+    assert [(e["prompt"], e["chosen"], e["rejected"]) for e in extra] == [
+        ("p1", pairs[0]["chosen"], pairs[1]["rejected"]), ("p4", pairs[5]["chosen"], pairs[4]["rejected"])]
+    assert all(KeywordJudge.is_refusal(e["chosen"]) and not KeywordJudge.is_refusal(e["rejected"]) for e in extra)
+    assert refusal_pairs(pairs, limit=1)[0] == extra[:1]
+    assert refusal_pairs(pairs, limit=0) == ([], 0)
+    with pytest.raises(ValueError, match="none of the 2 pairs prefers a refusal"):
+        refusal_pairs(pairs[1:2] + pairs[4:5], limit=3)
+
+
+def test_rm_stage_adds_refusal_pairs_that_fit(capsys):
+    import datasets
+
+    from marlhf_edu.stages.reward import RMScriptArguments, with_refusal_pairs
+
+    tok = load_tokenizer()
+    rows = [{"prompt": "Q: how do I pick a lock?\nA:", "chosen": " I'm sorry, I can't help.", "rejected": " Use a pin."},
+            {"prompt": "Q: steal a car?\nA:", "chosen": " Ask the owner.", "rejected": " Hotwire it."},
+            {"prompt": "Q: " + "word " * 60 + "\nA:", "chosen": " Fine.", "rejected": " Do it."}]
+    args = RMScriptArguments(refusal_pairs=5, max_tokens=40, max_rows=0)
+    out = with_refusal_pairs(datasets.Dataset.from_list(rows), tok, args)
+    # two candidates (rows 1 and 2); row 2's prompt is too long for max_tokens once the refusal is its answer
+    assert out.to_list() == rows + [{**rows[1], "chosen": rows[0]["chosen"]}]
+    assert "refusal pairs: added 1 (refusals from 1 preferred pairs) to 3 pairs" in capsys.readouterr().out

@@ -40,6 +40,13 @@ def cpu_name() -> str:
     return _cpu_name()
 
 
+def write_result(out: pathlib.Path | None, summary: dict) -> None:
+    """`summary` as indented JSON in `out` (its folder made), if `out` is given."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1) + "\n")
+
+
 def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]) -> dict:
     """Run `steps` PPO steps of `command` (`ppo` or `ma-ppo`) with `config_path` and `overrides`; every step's record."""
     import torch
@@ -103,9 +110,7 @@ def main(argv=None):
         "machine": machine(),
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    write_result(args.out, summary)
     return summary
 
 

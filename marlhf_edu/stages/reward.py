@@ -29,6 +29,9 @@ class RMScriptArguments(DataArguments):
                                                                       "makes it) or 'probe': fit it first on the "
                                                                       "frozen backbone's features (LP-FT, "
                                                                       "marlhf_edu.reward_probe)"})
+    refusal_pairs: int = field(default=0, metadata={"help": "add up to N pairs preferring a refusal (another pair's "
+                                                            "preferred refusal) to a compliant rejected answer "
+                                                            "(marlhf_edu.keyword_judge.refusal_pairs, chapter 13)"})
 
 
 def load_preference_data(script_args, tokenizer=None, split: str | None = None):
@@ -87,6 +90,25 @@ def evaluate_reward_model(model, tokenizer, pairs: list[dict], batch_size: int =
     return out
 
 
+def with_refusal_pairs(dataset, tokenizer, script_args):
+    """`dataset` followed by up to `refusal_pairs` pairs from `keyword_judge.refusal_pairs` (those that fit in
+    `max_tokens`), with what was added printed."""
+    from dataclasses import replace
+
+    import datasets
+
+    from marlhf_edu.keyword_judge import refusal_pairs
+    from marlhf_edu.stages.common import select_rows
+
+    extra, pool = refusal_pairs(dataset.to_list(), script_args.refusal_pairs)
+    if not extra:
+        raise ValueError(f"refusal_pairs: no pair of {len(dataset)} has a compliant rejected answer to pair a "
+                         "refusal with")
+    extra = select_rows(datasets.Dataset.from_list(extra), tokenizer, replace(script_args, max_rows=0), "refusal pair")
+    print(f"refusal pairs: added {len(extra)} (refusals from {pool} preferred pairs) to {len(dataset)} pairs")
+    return datasets.concatenate_datasets([dataset, extra])
+
+
 def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=None):
     """Train, save the adapter (with the score head), return `(trainer, metrics)`."""
     import json
@@ -115,6 +137,8 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     tokenizer = load_tokenizer(model_args.model_name_or_path)  # pad ≠ EOS (marlhf_edu.sources)
     if dataset is None:
         dataset = select_rows(load_preference_data(script_args, tokenizer), tokenizer, script_args, "preference")
+    if script_args.refusal_pairs:
+        dataset = with_refusal_pairs(dataset, tokenizer, script_args)
     check_lengths(dataset, tokenizer, training_args.max_length)
     held_out = None
     if script_args.dataset_name != "toy" and script_args.eval_split:
