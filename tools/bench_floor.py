@@ -57,6 +57,8 @@ def floor_steps(steps: int) -> tuple[list[dict], dict]:
     from marlhf_edu.logprobs import logprobs_from_logits
     from marlhf_edu.models import SFT_DIR, load_tokenizer
     from marlhf_edu.ppo import PPOConfig, PPOTrainer
+    from marlhf_edu.ppo.backends import split_causal_lm
+    from marlhf_edu.ppo.trainer import response_mask_from_ids
     from marlhf_edu.scoring import position_ids_from_mask
     from marlhf_edu.stages.common import parse_stage_args
     from marlhf_edu.stages.ppo import load_prompts
@@ -78,8 +80,7 @@ def floor_steps(steps: int) -> tuple[list[dict], dict]:
 
     def update(kind, ids, mask, R):
         model, head, optim = trained[kind], heads[kind], optims[kind]
-        backbone = model.get_base_model().model if kind == "lora" else model.model
-        lm_head = model.get_base_model().lm_head if kind == "lora" else model.lm_head
+        backbone, lm_head = split_causal_lm(model)
         for rows in torch.randperm(ids.shape[0]).split(config.mini_batch_size):
             hidden = backbone(input_ids=ids[rows], attention_mask=mask[rows],
                               position_ids=position_ids_from_mask(mask[rows]), use_cache=False).last_hidden_state
@@ -100,9 +101,7 @@ def floor_steps(steps: int) -> tuple[list[dict], dict]:
                 max_new_tokens=config.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id))
             R = ids.shape[1] - P
-            response = ids[:, P:]
-            is_eos = response == tokenizer.eos_token_id
-            keep = (torch.cumsum(is_eos.long(), 1) - is_eos.long()) == 0  # up to and including the first EOS
+            keep = response_mask_from_ids(ids[:, P:], tokenizer.eos_token_id)
             mask = torch.cat([enc["attention_mask"].bool(), keep], 1).long()
             _, forward_s = timed(lambda: sampler(input_ids=ids, attention_mask=mask,
                                                  position_ids=position_ids_from_mask(mask),
@@ -139,10 +138,7 @@ def main(argv=None):
     if args.compare:
         compared = json.loads(args.compare.read_text())
         trl = {r["case"]: r["trl"]["step_s"] for r in compared["results"]}
-        best = {}
-        for r in compared["results"]:
-            ours = best.setdefault(r["case"], r["ours"]["step_s"])
-            best[r["case"]] = min(ours, r["ours"]["step_s"])
+        best = {case: min(r["ours"]["step_s"] for r in compared["results"] if r["case"] == case) for case in trl}
         summary["against_trl"] = {
             case: {"trl_step_s": trl[case], "floor_step_s": floors[case], "ours_best_step_s": best[case],
                    "largest_possible_trl_over_ours": round(trl[case] / floors[case], 3),
