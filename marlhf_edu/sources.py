@@ -28,6 +28,7 @@ Taught in chapter 13.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,6 +57,24 @@ def cache_dir() -> pathlib.Path:
         return home
     except OSError:
         return pathlib.Path(tempfile.gettempdir()) / "marlhf_edu_cache"
+
+
+@contextlib.contextmanager
+def cache_at(path):
+    """Use `path` as the cache (`$MARLHF_EDU_CACHE`) inside the `with` block, then restore the previous one.
+
+    For throw-away runs: each 7B-width smoke run merges fresh random adapters into about 1.4 GB of new cache
+    entries that no later run reuses; kept in the run's own directory, they go when it is deleted. Used in
+    chapter 15 and by `tests/test_pipeline_7b.py`."""
+    old = os.environ.get("MARLHF_EDU_CACHE")
+    os.environ["MARLHF_EDU_CACHE"] = str(path)
+    try:
+        yield pathlib.Path(path)
+    finally:
+        if old is None:
+            del os.environ["MARLHF_EDU_CACHE"]
+        else:
+            os.environ["MARLHF_EDU_CACHE"] = old
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,10 @@ ALLOWED = {
 }
 
 
-def run_cli(*args, timeout=900):
+def run_cli(*args, cache, timeout=900):
+    """The CLI in a subprocess, its merged-adapter cache in `cache` (the smoke run's own 1.4 GB, deleted with it)."""
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error"}
+           "TRANSFORMERS_VERBOSITY": "error", "MARLHF_EDU_CACHE": str(cache)}
     done = subprocess.run([sys.executable, "-m", "marlhf_edu.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -54,7 +55,8 @@ def smoke(tmp_path_factory):
     """The whole 7B recipe, SFT → RM → MA-PPO, at Llama-2-7B's widths with 2 layers, on CPU."""
     root = tmp_path_factory.mktemp("smoke7b")
     smoke = write_smoke_pipeline(root, num_layers=2, repo=ROOT)
-    return {**smoke, "root": root, "log": run_cli("pipeline", "--config", str(smoke["pipeline"]))}
+    return {**smoke, "root": root, "log": run_cli("pipeline", "--config", str(smoke["pipeline"]),
+                                                    cache=root / "cache")}
 
 
 def test_the_7b_shaped_pipeline_runs_end_to_end(smoke):
@@ -121,7 +123,7 @@ def test_a_stopped_stage_resumes_and_finished_ones_are_skipped(smoke, tmp_path):
     (out / "rm").mkdir(parents=True)
     shutil.copytree(smoke["out"] / "rm" / "checkpoint-1", out / "rm" / "checkpoint-1")
     path = write_pipeline(tmp_path / "pipeline.yaml", smoke_overrides(smoke["model"], smoke["data"], out), ROOT)
-    log = run_cli("pipeline", "--config", str(path), "--stages", "sft", "rm")
+    log = run_cli("pipeline", "--config", str(path), "--stages", "sft", "rm", cache=smoke["root"] / "cache")
     assert "pipeline: sft finished earlier" in log
     assert f"pipeline: rm resumes from {out / 'rm' / 'checkpoint-1'}" in log
     marker = json.loads((out / "rm" / MARKER).read_text())
@@ -197,7 +199,7 @@ def test_evaluate_the_smoke_policy_with_the_keyword_judge(smoke):
     out = smoke["out"] / "eval"
     run_cli("evaluate", "--model", str(smoke["out"] / "ma_ppo" / "policy"), "--reward_adapter",
             str(smoke["out"] / "rm"), "--prompts", "2", "--repeats", "1", "--max_new_tokens", "4",
-            "--output_dir", str(out))
+            "--output_dir", str(out), cache=smoke["root"] / "cache")
     metrics = json.loads((out / "eval_metrics.json").read_text())
     assert metrics["judge"] == "keyword" and metrics["n_harmful"] == 2 and metrics["n_benign"] == len(BENIGN_QUESTIONS)
     samples = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]

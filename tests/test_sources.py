@@ -1,6 +1,7 @@
 """Model references (`marlhf_edu.sources`): classification, GGUF conversion, adapter merging, the pad choice."""
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -184,3 +185,16 @@ def test_shipped_smollm2_adapters_name_resolvable_bases():
     metrics = json.loads((ASSETS / "smollm2_metrics.json").read_text())["reward_model"]
     low, high = metrics["wilson_95"]
     assert low < metrics["held_out_accuracy"] < high and metrics["n_pairs"] > 100
+
+
+def test_cache_at_redirects_the_cache_and_restores_it(monkeypatch, tmp_path):
+    from marlhf_edu.sources import cache_at, cache_dir
+
+    monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "outer"))
+    with cache_at(tmp_path / "inner") as inner:
+        assert cache_dir() == inner == tmp_path / "inner"
+    assert cache_dir() == tmp_path / "outer"
+    monkeypatch.delenv("MARLHF_EDU_CACHE")
+    with pytest.raises(RuntimeError), cache_at(tmp_path / "inner"):
+        raise RuntimeError("restored even when the block fails")
+    assert "MARLHF_EDU_CACHE" not in os.environ
