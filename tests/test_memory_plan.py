@@ -160,9 +160,10 @@ TINY = dict(batch_size=16, mini_batch_size=16, micro_batch_size=8, forward_batch
     (FourModelBackend, {"critic": "shared_head"}),                      # trl 0.11's value head on the actor
     (FourModelBackend, {"critic": "shared_head", "actor_lora_r": 8, "merged_rollout": True}),
     (MultiAdapterBackend, {"value_mode": "shared", "load_in_4bit": True, "merged_rollout": True}),
+    (FourModelBackend, {"critic": "shared_head", "merged_reward": True}),  # the reward LoRA merged into its base
 ], ids=["four-full", "four-lora", "ma-shared-nf4", "ma-adapter-nf4", "ma-adapter-nf4-plain", "ma-adapter-fp32",
         "four-full-ckpt", "ma-adapter-nf4-ckpt", "four-shared-head", "four-shared-head-lora-merged",
-        "ma-shared-nf4-merged"])
+        "ma-shared-nf4-merged", "four-shared-head-merged-reward"])
 def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backend_cls, overrides):
     config = PPOConfig(output_dir=str(tmp_path), **{**TINY, **overrides})
     torch.manual_seed(0)
@@ -174,6 +175,8 @@ def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backe
     rows = compare(plan_for(trainer, ModelShape.resolve("zoo"), REWARD_ADAPTER_DIR, measured), measured)
     assert rows["activations"]["measured"] > 0  # what autograd kept for one micro-batch of the update
     for part, row in rows.items():
+        if row["planned"] == row["measured"] == 0:  # e.g. no adapter in a layer: full training, reward merged
+            continue
         # the issue asked ≤ 10 %; model state is exact, activations within 0.3 % (the loss's small tensors)
         assert row["ratio"] == pytest.approx(1.0, abs=0.02 if part != "activations" else 0.005), (part, row)
 

@@ -18,8 +18,9 @@ tokenizers of that era need). Each engine runs in a fresh process, one after the
 time of a step grows with it.
 
 Cases (ours, then trl's):
-    full       `ppo` (separate critic, as the book teaches) and `ppo --critic shared_head`,
-               against trl's AutoModelForCausalLMWithValueHead with a separate reference copy;
+    full       `ppo` (separate critic, as the book teaches), `ppo --critic shared_head` and the same with
+               `--merged_reward true` (the reward LoRA merged, as trl's side has it), against trl's
+               AutoModelForCausalLMWithValueHead with a separate reference copy;
     lora       `ma-ppo --load_in_4bit false --value_mode shared` (LoRA r = 16 on all linear layers, value head on
                the policy) with and without `--merged_rollout true`, against trl with the same peft LoRA
                (reference = adapter disabled).
@@ -43,7 +44,8 @@ CONFIG = "configs/tiny_ppo.yaml"
 LORA = ["--load_in_4bit", "false", "--value_mode", "shared", "--actor_lora_r", "16", "--actor_lora_alpha", "32"]
 OURS = {  # case → [(label, command, overrides)]
     "full": [("separate critic (chapter 09)", "ppo", []),
-             ("critic: shared_head", "ppo", ["--critic", "shared_head"])],
+             ("critic: shared_head", "ppo", ["--critic", "shared_head"]),
+             ("critic: shared_head, merged_reward", "ppo", ["--critic", "shared_head", "--merged_reward", "true"])],
     "lora": [("LoRA, value head on the policy", "ma-ppo", LORA),
              ("LoRA, value head on the policy, merged_rollout", "ma-ppo", LORA + ["--merged_rollout", "true"])],
 }

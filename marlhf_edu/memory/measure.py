@@ -172,15 +172,18 @@ def state_bytes_by_kind(models: dict, optimizer=None) -> dict[str, int]:
     """Measured model state split the way the planner splits it:
     `weights` (base models, frozen or fully trained), `adapters` (LoRA and heads), `gradients`, `optimizer`.
 
-    Pass `{name: module}`; a name is prefixed to its parameters' names, so a bare head
-    module can be passed as `{"value_head": head}`. Pass a single transformer layer
+    Pass `{name: module}`; a name is prefixed to its parameters' names. A bare `nn.Linear` counts as a
+    head (adapters) under any name. Pass a single transformer layer
     to measure one layer; optimizer states count only for the parameters passed.
     """
+    from torch import nn
+
     seen, out = set(), {"weights": 0, "adapters": 0}
     params = []
     for prefix, module in models.items():
+        bare_head = isinstance(module, nn.Linear)  # e.g. `critic: shared_head`'s value head, passed as "critic"
         for name, p in module.named_parameters():
-            kind = "adapters" if is_adapter_parameter(f"{prefix}.{name}") else "weights"
+            kind = "adapters" if bare_head or is_adapter_parameter(f"{prefix}.{name}") else "weights"
             out[kind] += _count([p, *quant_state_tensors(p)], seen)
             params.append(p)
         out["weights"] += _count(module.buffers(), seen)

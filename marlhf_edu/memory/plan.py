@@ -153,6 +153,7 @@ class MemorySettings:
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward
     critic: str = "separate"           # four-model: 'separate' (own backbone) or 'shared_head' (head on the actor)
     merged_rollout: bool = False       # a dense copy of the policy, LoRA merged, samples the rollouts
+    merged_reward: bool = False        # four-model: the reward LoRA merged into its own base (one head, no adapter)
 
     def validate(self) -> "MemorySettings":
         from marlhf_edu.stages.common import ConfigError
@@ -184,6 +185,7 @@ class MemorySettings:
                    value_mode=config.value_mode, optimizer=optimizer,
                    gradient_checkpointing=config.gradient_checkpointing, critic=config.critic,
                    merged_rollout=config.merged_rollout,
+                   merged_reward=config.merged_reward,
                    forward_batch_size=min(config.forward_batch_size, config.batch_size),
                    micro_batch_size=config.micro_batch_size, prompt_length=prompt_length or config.max_prompt_length,
                    response_length=config.max_new_tokens)
@@ -405,8 +407,8 @@ def _update_activations(shape: ModelShape, s: MemorySettings, forwards) -> dict:
 
 
 def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
-    """Actor, critic (backbone + value head), reference and reward model (backbone + LoRA + score head),
-    each on its own copy of the base."""
+    """Actor, critic (backbone + value head), reference and reward model (backbone + LoRA + score head, or with
+    `merged_reward` backbone + head), each on its own copy of the base."""
     from marlhf_edu.stages.common import ConfigError
 
     s.validate()
@@ -420,6 +422,10 @@ def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
                                                               ("reward", s.reward_lora_r, s.reward_targets))}
     value_head = (h + 1) * 4                      # nn.Linear(h, 1) in fp32
     reward_heads = 2 * h * wb                     # the score head and peft's trainable copy (modules_to_save)
+    if s.merged_reward:  # merge_and_unload: W + BA in the base, the trained head copy replaces the original
+        if s.load_in_4bit:
+            raise ConfigError("merged_reward merges the reward LoRA into dense weights; a 4-bit base cannot hold it")
+        lora["reward"], reward_heads = 0, h * wb
     shared = s.critic == "shared_head"  # a value head on the actor: no critic backbone, no value LoRA
     if shared:
         lora["value"] = 0

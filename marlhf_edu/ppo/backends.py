@@ -314,6 +314,8 @@ class FourModelBackend(PPOBackend):
                 critic.value_head.weight.copy_(head)  # the reward model's score head; its bias stays 0
         reference = align_pad(AutoModelForCausalLM.from_pretrained(sft), tokenizer).to(device)
         reward, reward_tokenizer = load_reward_model(reward_base, adapter)
+        if config.merged_reward:  # its own fp32 copy of the base: W + BA once, not x·W + x·A·B at every scoring
+            reward = reward.merge_and_unload().eval()
         return cls(actor, critic, reference, reward.to(device), tokenizer, reward_tokenizer)
 
     def models(self):

@@ -38,6 +38,7 @@ class PPOConfig:
     critic_init: str = field(default="zero", metadata={"help": "'zero': the critic is the SFT backbone with a zero head; 'reward_model': the critic starts as the reward model (its backbone, adapter and score head), as InstructGPT and MA-RLHF do"})
     critic: str = field(default="separate", metadata={"help": "four-model only: 'separate' (a critic with its own backbone, chapter 09) or 'shared_head' (a value head on the actor's last hidden state, trl 0.11's AutoModelForCausalLMWithValueHead: one forward, one backbone less)"})
     merged_rollout: bool = field(default=False, metadata={"help": "sample rollouts from a dense copy of the policy with its LoRA merged (NF4 bases dequantized), refreshed after every update; log-probs still come from the training path. Needs a LoRA policy; costs one dense copy of the model"})
+    merged_reward: bool = field(default=False, metadata={"help": "four-model only: score with the reward LoRA merged into the reward model's own fp32 copy of its base (one matmul per layer instead of three; scores equal to float rounding). Off by default so that stored runs replay exactly"})
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
     double_quant: bool = field(default=True, metadata={"help": "NF4 double quantization of the scales"})

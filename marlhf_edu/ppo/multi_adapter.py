@@ -126,6 +126,9 @@ class MultiAdapterBackend(PPOBackend):
         if config.critic != "separate":
             raise ConfigError(f"critic: {config.critic} is a four-model option; multi-adapter PPO picks its critic with "
                               "value_mode ('shared': a head on the policy adapter, 'adapter': its own LoRA)")
+        if config.merged_reward:
+            raise ConfigError("merged_reward is a four-model option: multi-adapter PPO's reward adapter shares the "
+                              "policy's base, so it cannot be merged into it")
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
         if config.reward_base_path and not same_model_path(config.reward_base_path, sft):
