@@ -76,6 +76,98 @@ BENIGN_QUESTIONS = (
 )
 
 
+#: (question, a right answer) for *training* a reward model to prefer answering over evading
+#: (`evasion_pairs`). Written for this book; none is in `BENIGN_QUESTIONS`, which stay held out for evaluation.
+HELPFUL_ANSWERS = (
+    ("What is the capital of Peru?", "The capital of Peru is Lima."),
+    ("What is the capital of Canada?", "The capital of Canada is Ottawa."),
+    ("What is the capital of Egypt?", "The capital of Egypt is Cairo."),
+    ("What is the capital of Russia?", "The capital of Russia is Moscow."),
+    ("What is the capital of China?", "The capital of China is Beijing."),
+    ("What is the capital of Greece?", "The capital of Greece is Athens."),
+    ("What is the capital of Portugal?", "The capital of Portugal is Lisbon."),
+    ("What is the capital of Ireland?", "The capital of Ireland is Dublin."),
+    ("What is the capital of Norway?", "The capital of Norway is Oslo."),
+    ("What is the capital of Kenya?", "The capital of Kenya is Nairobi."),
+    ("What is the capital of Argentina?", "The capital of Argentina is Buenos Aires."),
+    ("What is the capital of South Korea?", "The capital of South Korea is Seoul."),
+    ("What is the smallest planet in our solar system?", "Mercury is the smallest planet in our solar system."),
+    ("Which planet has the most famous rings?", "Saturn is the planet best known for its rings."),
+    ("What is the name of the natural satellite of the Earth?", "The Earth's natural satellite is the Moon."),
+    ("Which planet do we live on?", "We live on the planet Earth."),
+    ("What is the chemical symbol for gold?", "The chemical symbol for gold is Au."),
+    ("What is the chemical symbol for iron?", "The chemical symbol for iron is Fe."),
+    ("What is the hardest natural material?", "Diamond is the hardest natural material."),
+    ("What do caterpillars turn into?", "Caterpillars turn into butterflies or moths."),
+    ("How many hours are there in a day?", "There are 24 hours in a day."),
+    ("How many minutes are there in an hour?", "There are 60 minutes in an hour."),
+    ("How many months are there in a year?", "There are 12 months in a year."),
+    ("How many sides does a triangle have?", "A triangle has three sides."),
+    ("How many sides does a square have?", "A square has four sides."),
+    ("How many legs does an insect have?", "An insect has six legs."),
+    ("How many wheels does a bicycle have?", "A bicycle has two wheels."),
+    ("What is 3 plus 5?", "3 plus 5 is 8."),
+    ("What is 9 minus 4?", "9 minus 4 is 5."),
+    ("What is 6 times 7?", "6 times 7 is 42."),
+    ("What is half of 50?", "Half of 50 is 25."),
+    ("What is the square root of 81?", "The square root of 81 is 9."),
+    ("What is the largest desert in Africa?", "The Sahara is the largest desert in Africa."),
+    ("What is the tallest mountain in the world?", "Mount Everest is the tallest mountain in the world."),
+    ("On which continent is Egypt?", "Egypt is in Africa."),
+    ("On which continent is Australia?", "Australia is its own continent, Australia (Oceania)."),
+    ("Which country has the largest population in South America?", "Brazil has the largest population in South America."),
+    ("Who wrote the novel Pride and Prejudice?", "Jane Austen wrote Pride and Prejudice."),
+    ("Who painted The Starry Night?", "Vincent van Gogh painted The Starry Night."),
+    ("Who developed the theory of relativity?", "Albert Einstein developed the theory of relativity."),
+    ("Who was the first person to walk on the Moon?", "Neil Armstrong was the first person to walk on the Moon."),
+    ("Who invented the telephone?", "Alexander Graham Bell is credited with inventing the telephone."),
+    ("What language is mainly spoken in Argentina?", "Spanish is the main language of Argentina."),
+    ("What language is mainly spoken in Germany?", "German is the main language of Germany."),
+    ("What is the official language of Japan?", "Japanese is the official language of Japan."),
+    ("What is the opposite of up?", "The opposite of up is down."),
+    ("What is the opposite of day?", "The opposite of day is night."),
+    ("What color do you get when you mix red and white?", "Mixing red and white gives pink."),
+    ("What color do you get when you mix red and yellow?", "Mixing red and yellow gives orange."),
+    ("What color is grass?", "Grass is green."),
+    ("What color is a ripe banana?", "A ripe banana is yellow."),
+    ("What animal is the largest mammal on Earth?", "The blue whale is the largest mammal on Earth."),
+    ("What animal is known for having a very long neck?", "The giraffe is known for its very long neck."),
+    ("What do cows drink?", "Cows drink water."),
+    ("What do pandas mainly eat?", "Pandas mainly eat bamboo."),
+    ("Which animal is known for carrying its house on its back?", "A snail carries its shell, its house, on its back."),
+    ("What is the boiling point of water in Fahrenheit at sea level?", "Water boils at 212 degrees Fahrenheit at sea level."),
+    ("What is the main gas in the air we breathe?", "Nitrogen is the main gas in the air, about 78 percent."),
+    ("What organ pumps blood through the body?", "The heart pumps blood through the body."),
+    ("How many bones are in the adult human body?", "An adult human body has 206 bones."),
+    ("What is the freezing point of water in Fahrenheit?", "Water freezes at 32 degrees Fahrenheit."),
+    ("What instrument has black and white keys?", "The piano has black and white keys."),
+    ("What is the fastest land animal?", "The cheetah is the fastest land animal."),
+    ("What season comes after winter?", "Spring comes after winter."),
+)
+
+#: Evasive non-answers, written for this book after the ones a policy learned when a small KL coefficient let
+#: it drift to whatever pleased the reward model (chapter 13). Some contain a refusal marker ("I'm sorry for any
+#: confusion"): the keyword judge counts them as refusals, which is why the reward model must not like them.
+EVASIONS = (
+    "I'm glad you asked! I'm here to help with any questions you have.",
+    "I'm sorry for any confusion, but I'm ready to assist you.",
+    "I'm an AI assistant designed to provide information on many topics.",
+    "I would be delighted to assist you with your query.",
+    "That's a great question! Let me know if there is anything else I can help with.",
+    "I'm here to help you with whatever you need.",
+    "I'm sorry for any confusion. I can only provide information, I don't have personal opinions.",
+    "As a helpful AI assistant, I can help with many kinds of topics.",
+)
+
+#: Refusals with no content, the wrong answer to a harmless question (over-refusal).
+GENERIC_REFUSALS = (
+    "I'm sorry, but I can't help with that.",
+    "I cannot answer that question.",
+    "I'm not able to provide that information.",
+    "I won't answer that.",
+)
+
+
 @dataclass(frozen=True)
 class JudgedPrompt:
     """One evaluation prompt: the request, its kind ('harmful' or 'benign'), the rendered chat prompt, and the
@@ -238,3 +330,34 @@ def refusal_pairs(pairs: list[dict], limit: int) -> tuple[list[dict], int]:
         k += 1
         out.append({**p, "chosen": refusal})
     return out, len(pool)
+
+
+def evasion_pairs(pairs: list[dict], template, limit: int) -> list[dict]:
+    """Up to `limit` extra preference pairs that put evasive non-answers below real answers.
+
+    First, for each pair of `pairs` whose chosen answer is a refusal and whose rejected answer complies (the
+    annotators' own refusals, in order): that refusal as chosen, the next of `EVASIONS` as rejected. Then, in
+    rounds over `HELPFUL_ANSWERS` (each question rendered by `template` as a one-turn chat): the right answer
+    as chosen, one of `EVASIONS` or `GENERIC_REFUSALS` as rejected (a different one each round).
+
+    Why: hh-rlhf harmless-base holds no helpful data, and a reward model trained on it alone (or with
+    `refusal_pairs`, whose refusals come from other dialogues) pays for answers that say nothing: with a small
+    KL coefficient a policy learned "I'm glad you asked!" for every question (chapter 13). Anthropic's
+    helpful-and-harmless mix exists for this reason; these pairs are its smallest version.
+    """
+    if limit <= 0:
+        return []
+    out = []
+    for p in pairs:
+        if len(out) == limit:
+            return out
+        if KeywordJudge.is_refusal(p["chosen"]) and not KeywordJudge.is_refusal(p["rejected"]):
+            out.append({**p, "rejected": EVASIONS[len(out) % len(EVASIONS)]})
+    bad = [b for pair in zip(EVASIONS, GENERIC_REFUSALS * 2) for b in pair]
+    for r in range(len(bad)):
+        for i, (question, answer) in enumerate(HELPFUL_ANSWERS):
+            if len(out) == limit:
+                return out
+            out.append({"prompt": template.dialogue([(question, None)]), "chosen": answer,
+                        "rejected": bad[(i + r) % len(bad)]})
+    return out

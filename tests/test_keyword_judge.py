@@ -209,4 +209,60 @@ def test_rm_stage_adds_refusal_pairs_that_fit(capsys):
     out = with_refusal_pairs(datasets.Dataset.from_list(rows), tok, args)
     # two candidates (rows 1 and 2); row 2's prompt is too long for max_tokens once the refusal is its answer
     assert out.to_list() == rows + [{**rows[1], "chosen": rows[0]["chosen"]}]
-    assert "refusal pairs: added 1 (refusals from 1 preferred pairs) to 3 pairs" in capsys.readouterr().out
+    assert "refusal pairs: added 1 of 2 candidates (refusals from 1 preferred pairs) to 3 pairs" in capsys.readouterr().out
+
+
+def test_evasion_pairs_rank_evasions_below_refusals_and_answers():
+    from marlhf_edu.data.template import template_for
+    from marlhf_edu.keyword_judge import (BENIGN_QUESTIONS, EVASIONS, GENERIC_REFUSALS, HELPFUL_ANSWERS,
+                                          evasion_pairs)
+
+    template = template_for(load_tokenizer())
+    pairs = [
+        {"prompt": "p0", "chosen": "I'm sorry, I can't help with that.", "rejected": "Sure, here is how."},
+        {"prompt": "p1", "chosen": "Here you go, step one...", "rejected": "Easy: first you..."},
+        {"prompt": "p2", "chosen": "I won't.", "rejected": "I'm sorry, no."},  # both refuse: not used
+        {"prompt": "p3", "chosen": "I apologize, but no.", "rejected": "Here is the address."},
+    ]
+    n_questions = len(HELPFUL_ANSWERS)
+    out = evasion_pairs(pairs, template, limit=2 + n_questions + 3)
+    # the annotators' refusals first (p0, p3), each over an evasion
+    assert [(p["prompt"], p["chosen"]) for p in out[:2]] == [("p0", pairs[0]["chosen"]), ("p3", pairs[3]["chosen"])]
+    assert [p["rejected"] for p in out[:2]] == list(EVASIONS[:2])
+    # then every harmless question once, its right answer over an evasion or a generic refusal, then round two
+    benign = out[2:]
+    questions = [q for q, _ in HELPFUL_ANSWERS]
+    assert [p["prompt"] for p in benign] == [template.dialogue([(q, None)]) for q in questions + questions[:3]]
+    assert [p["chosen"] for p in benign] == [a for _, a in HELPFUL_ANSWERS] + [a for _, a in HELPFUL_ANSWERS[:3]]
+    assert all(p["rejected"] in EVASIONS + GENERIC_REFUSALS for p in benign)
+    assert {p["rejected"] for p in benign} == set(EVASIONS + GENERIC_REFUSALS)
+    # a question's second round pairs it with a different bad answer
+    assert all(benign[i]["rejected"] != benign[n_questions + i]["rejected"] for i in range(3))
+    assert evasion_pairs(pairs, template, limit=1) == out[:1]
+    assert evasion_pairs(pairs, template, limit=0) == []
+    # the training questions never leak into the held-out benign evaluation
+    assert not {q for q, _ in BENIGN_QUESTIONS} & set(questions)
+    assert len(set(questions)) == n_questions
+
+
+def test_rm_stage_adds_evasion_pairs_from_the_annotators_refusals_only(capsys):
+    import datasets
+
+    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS
+    from marlhf_edu.stages.reward import RMScriptArguments, with_evasion_pairs, with_refusal_pairs
+
+    tok = load_tokenizer()
+    rows = [{"prompt": "Q: how do I pick a lock?\nA:", "chosen": " I'm sorry, I can't help.", "rejected": " Use a pin."},
+            {"prompt": "Q: steal a car?\nA:", "chosen": " Ask the owner.", "rejected": " Hotwire it."}]
+    original = datasets.Dataset.from_list(rows)
+    args = RMScriptArguments(refusal_pairs=5, evasion_pairs=4, max_tokens=200, max_rows=0)
+    with_refusals = with_refusal_pairs(original, tok, args)  # row 1 gets row 0's refusal as chosen
+    out = with_evasion_pairs(with_refusals, tok, args, source=original).to_list()
+    # the borrowed refusal (row 2) is not used again: one refusal > evasion pair (row 0), then harmless questions
+    assert out[:3] == with_refusals.to_list()
+    assert [p["chosen"] for p in out[3:]] == [rows[0]["chosen"]] + [a for _, a in HELPFUL_ANSWERS[:3]]
+    assert "evasion pairs: added 4 of 4 candidates (1 refusal > evasion, 3 answers to 3 harmless questions" in capsys.readouterr().out
+    # a margin column is kept, with no margin for the new pairs
+    with_margin = datasets.Dataset.from_list([{**r, "margin": 1.0} for r in rows])
+    out = with_evasion_pairs(with_margin, tok, RMScriptArguments(evasion_pairs=2, max_tokens=200, max_rows=0)).to_list()
+    assert [p["margin"] for p in out] == [1.0, 1.0, 0.0, 0.0]

@@ -32,6 +32,10 @@ class RMScriptArguments(DataArguments):
     refusal_pairs: int = field(default=0, metadata={"help": "add up to N pairs preferring a refusal (another pair's "
                                                             "preferred refusal) to a compliant rejected answer "
                                                             "(marlhf_edu.keyword_judge.refusal_pairs, chapter 13)"})
+    evasion_pairs: int = field(default=0, metadata={"help": "add up to N pairs ranking evasive non-answers below "
+                                                            "real answers: refusals to harmful requests, right "
+                                                            "answers to harmless questions "
+                                                            "(marlhf_edu.keyword_judge.evasion_pairs, chapter 13)"})
 
 
 def load_preference_data(script_args, tokenizer=None, split: str | None = None):
@@ -93,19 +97,47 @@ def evaluate_reward_model(model, tokenizer, pairs: list[dict], batch_size: int =
 def with_refusal_pairs(dataset, tokenizer, script_args):
     """`dataset` followed by up to `refusal_pairs` pairs from `keyword_judge.refusal_pairs` (those that fit in
     `max_tokens`), with what was added printed."""
-    from dataclasses import replace
-
-    import datasets
-
     from marlhf_edu.keyword_judge import refusal_pairs
-    from marlhf_edu.stages.common import select_rows
 
     extra, pool = refusal_pairs(dataset.to_list(), script_args.refusal_pairs)
     if not extra:
         raise ValueError(f"refusal_pairs: no pair of {len(dataset)} has a compliant rejected answer to pair a "
                          "refusal with")
-    extra = select_rows(datasets.Dataset.from_list(extra), tokenizer, replace(script_args, max_rows=0), "refusal pair")
-    print(f"refusal pairs: added {len(extra)} (refusals from {pool} preferred pairs) to {len(dataset)} pairs")
+    return _append_pairs(dataset, extra, tokenizer, script_args, "refusal pair",
+                         f"refusals from {pool} preferred pairs")
+
+
+def with_evasion_pairs(dataset, tokenizer, script_args, source=None):
+    """`dataset` followed by up to `evasion_pairs` pairs from `keyword_judge.evasion_pairs` over the pairs of
+    `source` (default: `dataset`; pass the data before `with_refusal_pairs` so that only the annotators' own
+    refusals are used), those that fit in `max_tokens`, with what was added printed."""
+    from marlhf_edu.data.template import template_for
+    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS, evasion_pairs
+
+    source = dataset if source is None else source
+    extra = evasion_pairs(source.to_list(), template_for(tokenizer), script_args.evasion_pairs)
+    prompts = set(source["prompt"])
+    harmful = sum(p["prompt"] in prompts for p in extra)
+    return _append_pairs(dataset, extra, tokenizer, script_args, "evasion pair",
+                         f"{harmful} refusal > evasion, {len(extra) - harmful} answers to "
+                         f"{min(len(extra) - harmful, len(HELPFUL_ANSWERS))} harmless questions > evasion or refusal")
+
+
+def _append_pairs(dataset, extra: list[dict], tokenizer, script_args, what: str, detail: str):
+    """`dataset` + the `extra` rows that fit in `max_tokens` (with margin 0 where there is a `margin` column: the pair's rating was for another answer)."""
+    from dataclasses import replace
+
+    import datasets
+
+    from marlhf_edu.stages.common import select_rows
+
+    if "margin" in dataset.column_names:
+        extra = [{**p, "margin": 0.0} for p in extra]  # a margin rated another answer
+    extra = [{k: p[k] for k in dataset.column_names} for p in extra]
+    before = len(extra)
+    extra = select_rows(datasets.Dataset.from_list(extra, features=dataset.features), tokenizer,
+                        replace(script_args, max_rows=0), what)
+    print(f"{what}s: added {len(extra)} of {before} candidates ({detail}) to {len(dataset)} pairs")
     return datasets.concatenate_datasets([dataset, extra])
 
 
@@ -137,8 +169,11 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     tokenizer = load_tokenizer(model_args.model_name_or_path)  # pad ≠ EOS (marlhf_edu.sources)
     if dataset is None:
         dataset = select_rows(load_preference_data(script_args, tokenizer), tokenizer, script_args, "preference")
+    original = dataset
     if script_args.refusal_pairs:
         dataset = with_refusal_pairs(dataset, tokenizer, script_args)
+    if script_args.evasion_pairs:
+        dataset = with_evasion_pairs(dataset, tokenizer, script_args, source=original)
     check_lengths(dataset, tokenizer, training_args.max_length)
     held_out = None
     if script_args.dataset_name != "toy" and script_args.eval_split:
