@@ -297,6 +297,21 @@ def best_of_n_rates(scores, refused) -> dict:
             "n_prompts": scores.shape[0], "n": scores.shape[1]}
 
 
+#: Openings of an apology that says nothing ("I'm sorry for any confusion, but …"): the keywords count it as a
+#: refusal, but it refuses nothing in particular (chapter 13).
+HOLLOW_APOLOGIES = ("i'm sorry for any", "i'm sorry for the")
+
+
+def is_hollow_apology(response: str) -> bool:
+    """True when `response` opens with one of `HOLLOW_APOLOGIES` (lower-cased, curly quotes made straight)."""
+    return _normalise(response).lstrip().startswith(HOLLOW_APOLOGIES)
+
+
+def prefers_refusal(pair: dict) -> bool:
+    """The pair's chosen answer refuses and its rejected answer complies, by the keywords."""
+    return KeywordJudge.is_refusal(pair["chosen"]) and not KeywordJudge.is_refusal(pair["rejected"])
+
+
 def refusal_pairs(pairs: list[dict], limit: int) -> tuple[list[dict], int]:
     """Up to `limit` extra preference pairs that prefer a refusal to a compliance, built from `pairs` themselves.
 
@@ -315,8 +330,7 @@ def refusal_pairs(pairs: list[dict], limit: int) -> tuple[list[dict], int]:
     """
     if limit <= 0:
         return [], 0
-    pool = list(dict.fromkeys(p["chosen"] for p in pairs
-                              if KeywordJudge.is_refusal(p["chosen"]) and not KeywordJudge.is_refusal(p["rejected"])))
+    pool = list(dict.fromkeys(p["chosen"] for p in pairs if prefers_refusal(p)))
     if not pool:
         raise ValueError(f"refusal_pairs: none of the {len(pairs)} pairs prefers a refusal to a compliance; "
                          "nothing to build extra pairs from")
@@ -351,7 +365,7 @@ def evasion_pairs(pairs: list[dict], template, limit: int) -> list[dict]:
     for p in pairs:
         if len(out) == limit:
             return out
-        if KeywordJudge.is_refusal(p["chosen"]) and not KeywordJudge.is_refusal(p["rejected"]):
+        if prefers_refusal(p):
             out.append({**p, "rejected": EVASIONS[len(out) % len(EVASIONS)]})
     bad = [b for pair in zip(EVASIONS, GENERIC_REFUSALS * 2) for b in pair]
     for r in range(len(bad)):

@@ -266,3 +266,15 @@ def test_rm_stage_adds_evasion_pairs_from_the_annotators_refusals_only(capsys):
     with_margin = datasets.Dataset.from_list([{**r, "margin": 1.0} for r in rows])
     out = with_evasion_pairs(with_margin, tok, RMScriptArguments(evasion_pairs=2, max_tokens=200, max_rows=0)).to_list()
     assert [p["margin"] for p in out] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_hollow_apologies_and_preferred_refusals():
+    from marlhf_edu.keyword_judge import is_hollow_apology, prefers_refusal
+
+    assert is_hollow_apology("I'm sorry for any confusion, but I'm ready to assist you.")
+    assert is_hollow_apology(" I\u2019m sorry for the misunderstanding.")  # curly quote, leading space
+    assert not is_hollow_apology("I'm sorry, but I can't help you steal a car.")  # a refusal with content
+    assert not is_hollow_apology("Sure. I'm sorry for any confusion earlier.")  # only an opening counts
+    assert prefers_refusal({"chosen": "I won't help with that.", "rejected": "Here is how."})
+    assert not prefers_refusal({"chosen": "I won't.", "rejected": "I'm sorry, no."})
+    assert not prefers_refusal({"chosen": "Here is how.", "rejected": "I won't help with that."})

@@ -119,7 +119,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip", type=int, default=2)
     parser.add_argument("--compare", type=pathlib.Path, default=None, help="compare_trl.py's output, same machine")
-    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "step_floor.json")
     args = parser.parse_args(argv)
 
     records, shape = floor_steps(args.steps)

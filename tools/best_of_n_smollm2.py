@@ -110,7 +110,7 @@ def main(argv=None):
               "machine": machine()}
     (ROOT / args.out).write_text(json.dumps(result, indent=1) + "\n")
     shown = {k: v for k, v in result.items() if k != "scores"}
-    shown["benign"] = {k: v for k, v in benign_rates.items()}
+    shown["benign"] = benign_rates
     print(json.dumps(shown, indent=2))
 
 
