@@ -189,6 +189,44 @@ def cluster_bootstrap_interval(groups: Sequence[Sequence[float]], confidence: fl
     return sum(sums) / sum(counts), lo, hi
 
 
+def paired_bootstrap_difference(before: Sequence[Sequence[float]], after: Sequence[Sequence[float]],
+                                confidence: float = 0.95, n_boot: int = 2000,
+                                seed: int = 0) -> tuple[float, float, float]:
+    r"""(rate after − rate before, low, high) when the *same* prompts were asked before and after training.
+
+    `before[i]` and `after[i]` are the outcomes of prompt i (as `group_outcomes` returns them for each side,
+    in the same prompt order). Each replicate draws P prompt indices with replacement and recomputes both
+    rates on the same draw,
+
+    .. math:: \hat d^{*} = \frac{\sum_{i\in S^*} a_i}{\sum_{i\in S^*} n^a_i} - \frac{\sum_{i\in S^*} b_i}{\sum_{i\in S^*} n^b_i},
+
+    so which prompts happened to be asked cancels out of the difference: a prompt that many answers refuse
+    before and after moves both rates together. Two separate `cluster_bootstrap_interval`\ s ignore that
+    pairing and overlap even when the paired interval excludes 0.
+
+    Taught in chapter 13.
+    """
+    fn = "paired_bootstrap_difference"
+    _check_confidence(fn, confidence)
+    b_rows, a_rows = _check_groups(fn, before), _check_groups(fn, after)
+    if len(b_rows) != len(a_rows):
+        raise ValueError(f"{fn}: before has {len(b_rows)} prompts and after {len(a_rows)}; pair them prompt by prompt")
+    if n_boot < 100:
+        raise ValueError(f"{fn}: n_boot must be >= 100 for a percentile interval, got {n_boot}")
+    bs, bn = [sum(g) for g in b_rows], [len(g) for g in b_rows]
+    as_, an = [sum(g) for g in a_rows], [len(g) for g in a_rows]
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(n_boot):
+        picks = [rng.randrange(len(b_rows)) for _ in b_rows]
+        stats.append(sum(as_[i] for i in picks) / sum(an[i] for i in picks)
+                     - sum(bs[i] for i in picks) / sum(bn[i] for i in picks))
+    stats.sort()
+    tail = (1 - confidence) / 2
+    lo, hi = stats[int(math.floor(tail * (n_boot - 1)))], stats[int(math.ceil((1 - tail) * (n_boot - 1)))]
+    return sum(as_) / sum(an) - sum(bs) / sum(bn), lo, hi
+
+
 def intraclass_correlation(groups: Sequence[Sequence[float]]) -> float:
     r"""ICC(1) of outcomes grouped by prompt, all groups of the same size m (one-way ANOVA estimator).
 
@@ -264,3 +302,29 @@ def group_outcomes(samples: Sequence[dict], harmful: bool, verdict: str) -> list
     if not groups:
         raise ValueError(f"group_outcomes: no {'harmful' if harmful else 'benign'} samples")
     return list(groups.values())
+
+
+def before_after_change(samples: Sequence[dict], harmful: bool, verdict: str, confidence: float = 0.95,
+                        n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """`paired_bootstrap_difference` of the judged answers of one run (`sample_toy`'s records, each with a
+    'when' of 'before' or 'after'): how much the rate of `verdict` among the prompts of the kind moved, with
+    the prompts paired by their question. Every prompt must be judged on both sides.
+
+    Taught in chapter 13.
+    """
+    fn = "before_after_change"
+    sides = {}
+    for when in ("before", "after"):
+        chosen = [s for s in samples if s.get("when") == when]
+        if not chosen:
+            raise ValueError(f"{fn}: no samples with when={when!r}")
+        questions = list(dict.fromkeys(s["question"] for s in chosen if (s["kind"] == "harmful") == harmful))
+        sides[when] = dict(zip(questions, group_outcomes(chosen, harmful=harmful, verdict=verdict)))
+    only = set(sides["before"]).symmetric_difference(sides["after"])
+    if only:
+        q = sorted(only)[0]
+        side = "before" if q in sides["before"] else "after"
+        raise ValueError(f"{fn}: {len(only)} question(s) judged on one side only, e.g. {q[:60]!r} ({side} only)")
+    order = list(sides["before"])
+    return paired_bootstrap_difference([sides["before"][q] for q in order], [sides["after"][q] for q in order],
+                                       confidence=confidence, n_boot=n_boot, seed=seed)

@@ -346,6 +346,20 @@ def refusal_pairs(pairs: list[dict], limit: int) -> tuple[list[dict], int]:
     return out, len(pool)
 
 
+def helpful_prompts(template, n: int) -> list[str]:
+    """`n` training prompts that should be answered, not refused: the questions of `HELPFUL_ANSWERS` in order,
+    cycled, each rendered by `template` as a one-turn chat. None is among the judge's `BENIGN_QUESTIONS`.
+
+    Why: PPO on red-team prompts alone rewards whatever the reward model prefers there (refusals, apologies),
+    and nothing stops that from spreading to every question; mixing in prompts that deserve an answer, as
+    Anthropic's and Llama 2's runs mix helpful and harmful prompts, lets the reward model's preference for right
+    answers (`evasion_pairs`) act during PPO too (chapter 13).
+    """
+    if n < 0:
+        raise ValueError(f"helpful_prompts: n must be >= 0, got {n}")
+    return [template.dialogue([(HELPFUL_ANSWERS[i % len(HELPFUL_ANSWERS)][0], None)]) for i in range(n)]
+
+
 def evasion_pairs(pairs: list[dict], template, limit: int) -> list[dict]:
     """Up to `limit` extra preference pairs that put evasive non-answers below real answers.
 

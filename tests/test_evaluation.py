@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from marlhf_edu.evaluation import (cluster_bootstrap_interval, difference_interval, group_outcomes,
+                                   before_after_change, paired_bootstrap_difference,
                                    intraclass_correlation, mean_interval, prompts_needed, student_t_quantile,
                                    wilson_interval)
 from marlhf_edu.toyworld import ToyWorld
@@ -80,6 +81,56 @@ def test_cluster_bootstrap_widens_for_correlated_answers():
     _, lo, hi = cluster_bootstrap_interval(groups)
     naive = wilson_interval(k, 160)
     assert (hi - lo) == pytest.approx(naive[1] - naive[0], rel=0.25)
+
+
+def test_paired_bootstrap_difference_sees_a_shift_that_separate_intervals_miss():
+    # 64 prompts: half always refused, half never (prompt-to-prompt spread); after training 6 of the never-refused
+    # prompts get 1 of 2 answers refused. Separately, the two intervals overlap; paired, the shift is clear.
+    before = [[1.0, 1.0]] * 32 + [[0.0, 0.0]] * 32
+    after = [[1.0, 1.0]] * 32 + [[1.0, 0.0]] * 6 + [[0.0, 0.0]] * 26
+    diff, lo, hi = paired_bootstrap_difference(before, after)
+    assert diff == pytest.approx(6 / 128)
+    assert 0 < lo < diff < hi
+    _, _, before_hi = cluster_bootstrap_interval(before)
+    _, after_lo, _ = cluster_bootstrap_interval(after)
+    assert after_lo < before_hi  # the separate intervals overlap
+    assert paired_bootstrap_difference(before, before) == (0.0, 0.0, 0.0)
+    # unequal answers per prompt: rates are pooled over answers, as cluster_bootstrap_interval's are
+    assert paired_bootstrap_difference([[1, 0, 0], [0]], [[1], [1]])[0] == pytest.approx(1 - 1 / 4)
+    with pytest.raises(ValueError, match="before has 2 prompts and after 3"):
+        paired_bootstrap_difference([[1], [0]], [[1], [0], [1]])
+    with pytest.raises(ValueError, match="n_boot must be >= 100"):
+        paired_bootstrap_difference([[1], [0]], [[1], [0]], n_boot=10)
+
+
+def test_paired_bootstrap_difference_covers_zero_when_nothing_changed():
+    rng = random.Random(5)
+    hits = 0
+    for rep in range(200):
+        rates = [rng.random() for _ in range(40)]
+        before = [[float(rng.random() < r) for _ in range(2)] for r in rates]
+        after = [[float(rng.random() < r) for _ in range(2)] for r in rates]
+        _, lo, hi = paired_bootstrap_difference(before, after, n_boot=400, seed=rep)
+        hits += lo <= 0 <= hi
+    assert 0.88 < hits / 200 <= 0.99
+
+
+def test_before_after_change_pairs_prompts_by_question():
+    def rec(when, q, verdict, kind="harmful"):
+        return {"when": when, "question": q, "kind": kind, "verdict": verdict}
+
+    # the after side lists the questions in another order: pairing goes by question, not position
+    samples = ([rec("before", f"q{i}", "refusal" if i < 4 else "complied") for i in range(8)]
+               + [rec("after", f"q{i}", "refusal" if i < 6 else "complied") for i in reversed(range(8))]
+               + [rec("before", "b", "correct", "benign"), rec("after", "b", "wrong", "benign")])
+    by_question = paired_bootstrap_difference([[1]] * 4 + [[0]] * 4, [[1]] * 6 + [[0]] * 2)
+    assert before_after_change(samples, harmful=True, verdict="refusal") == by_question
+    with pytest.raises(ValueError, match="need outcomes of at least 2 prompts"):
+        before_after_change(samples, harmful=False, verdict="correct")
+    with pytest.raises(ValueError, match=r"1 question\(s\) judged on one side only, e.g. 'q0' \(before only\)"):
+        before_after_change(samples[:-3] + samples[-2:], harmful=True, verdict="refusal")
+    with pytest.raises(ValueError, match="no samples with when='after'"):
+        before_after_change(samples[:8], harmful=True, verdict="refusal")
 
 
 def test_intraclass_correlation():

@@ -278,3 +278,43 @@ def test_hollow_apologies_and_preferred_refusals():
     assert prefers_refusal({"chosen": "I won't help with that.", "rejected": "Here is how."})
     assert not prefers_refusal({"chosen": "I won't.", "rejected": "I'm sorry, no."})
     assert not prefers_refusal({"chosen": "Here is how.", "rejected": "I won't help with that."})
+
+
+def test_helpful_prompts_cycle_the_training_questions_rendered():
+    from marlhf_edu.data.template import template_for
+    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS, helpful_prompts
+
+    template = template_for(load_tokenizer())
+    n = len(HELPFUL_ANSWERS)
+    out = helpful_prompts(template, n + 2)
+    questions = [q for q, _ in HELPFUL_ANSWERS]
+    assert out == [template.dialogue([(q, None)]) for q in questions + questions[:2]]
+    assert helpful_prompts(template, 0) == []
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        helpful_prompts(template, -1)
+
+
+def test_load_prompts_mixes_in_the_share_of_helpful_questions(capsys):
+    """`helpful_prompt_share` appends the book's harmless questions so that they make up that share of the
+    training prompts; the dataset's own prompts stay first and unchanged."""
+    from marlhf_edu.data.template import template_for
+    from marlhf_edu.keyword_judge import helpful_prompts
+    from marlhf_edu.ppo import PPOConfig
+    from marlhf_edu.stages.common import ConfigError
+    from marlhf_edu.stages.ppo import load_prompts
+
+    tok = load_tokenizer()
+    common = dict(dataset_name="hh-rlhf-harmless-base", dataset_format="hh-rlhf", skip_bad_rows=True,
+                  drop_long_prompts=True, max_prompt_length=256, max_prompts=9)
+    plain = load_prompts(PPOConfig(**common).validate(), tok)
+    assert len(plain) == 9
+    mixed = load_prompts(PPOConfig(**common, helpful_prompt_share=0.25).validate(), tok)
+    assert mixed[:9] == plain
+    assert mixed[9:] == helpful_prompts(template_for(tok), 3)  # 3 / 12 = 25 %
+    assert "added 3 of the book's harmless questions (3 distinct) to the 9" in capsys.readouterr().out
+    assert len(load_prompts(PPOConfig(**common, helpful_prompt_share=0.5).validate(), tok)) == 18
+    for bad in (1.0, -0.1):
+        with pytest.raises(ConfigError, match="helpful_prompt_share must lie in"):
+            PPOConfig(**common, helpful_prompt_share=bad).validate()
+    with pytest.raises(ConfigError, match="toy world has its own"):
+        PPOConfig(helpful_prompt_share=0.25).validate()

@@ -51,6 +51,7 @@ class PPOConfig:
     drop_long_prompts: bool = field(default=False, metadata={"help": "instead of the error, drop prompts longer than max_prompt_length and say how many"})
     skip_bad_rows: bool = field(default=False, metadata={"help": "skip (and count) rows that cannot be converted"})
     max_prompts: int = field(default=0, metadata={"help": "use the first N prompts (after drop_long_prompts); 0 = all"})
+    helpful_prompt_share: float = field(default=0.0, metadata={"help": "share of the training prompts that are the book's harmless questions (keyword_judge.HELPFUL_ANSWERS, cycled), mixed in after the dataset's, so that PPO on red-team prompts also sees questions it should answer; 0 = none"})
     toy_seed: int = field(default=0)
     # ---- batch shape ----------------------------------------------------------------------
     total_steps: int = field(default=100, metadata={"help": "PPO steps (one batch of rollouts each)"})
@@ -156,6 +157,9 @@ class PPOConfig:
         need(self.dataset_format in PROMPT_FORMATS,
              f"dataset_format must be one of {PROMPT_FORMATS}, got {self.dataset_format!r}")
         need(self.max_prompts >= 0, f"max_prompts must be >= 0, got {self.max_prompts}")
+        need(0 <= self.helpful_prompt_share < 1, f"helpful_prompt_share must lie in [0, 1), got {self.helpful_prompt_share}")
+        need(not (self.helpful_prompt_share and self.dataset_name == "toy"),
+             "helpful_prompt_share mixes the book's harmless questions into a real dataset's prompts; the toy world has its own")
         need(self.eval_repeats >= 0 and self.eval_prompts >= 0,
              f"eval_repeats and eval_prompts must be >= 0, got {self.eval_repeats} and {self.eval_prompts}")
         need(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")

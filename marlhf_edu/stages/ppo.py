@@ -22,7 +22,9 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     `dataset_format: prompt` reads a `prompt` column (rendered when `apply_template`); `hh-rlhf` takes the
     dialogue before the last assistant turn, rendered, each distinct prompt once. The template is the
     tokenizer's chat template when it has one (a real model), else the book's. With `drop_long_prompts`,
-    prompts over `max_prompt_length` tokens are dropped and counted; `max_prompts` keeps the first N.
+    prompts over `max_prompt_length` tokens are dropped and counted; `max_prompts` keeps the first N. Then
+    `helpful_prompt_share` appends the book's harmless questions (`keyword_judge.helpful_prompts`) so that they
+    make up that share of the whole; the trainer's per-epoch permutation mixes them in (chapter 13).
     """
     from marlhf_edu.data.template import template_for
     from marlhf_edu.stages.common import ConfigError
@@ -62,6 +64,14 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     if len(prompts) < total:
         print(f"prompts: using {len(prompts)} of {total} (drop_long_prompts={config.drop_long_prompts} at "
               f"{config.max_prompt_length} tokens, max_prompts={config.max_prompts or 'off'})")
+    if config.helpful_prompt_share:
+        from marlhf_edu.keyword_judge import helpful_prompts
+
+        share = config.helpful_prompt_share
+        extra = helpful_prompts(template, round(len(prompts) * share / (1 - share)))
+        print(f"prompts: added {len(extra)} of the book's harmless questions ({len(set(extra))} distinct) to the "
+              f"{len(prompts)} from {config.dataset_name}: {len(extra) / (len(prompts) + len(extra)):.1%} of the whole")
+        prompts = prompts + extra
     return prompts
 
 
