@@ -175,17 +175,9 @@ def cluster_bootstrap_interval(groups: Sequence[Sequence[float]], confidence: fl
     fn = "cluster_bootstrap_interval"
     _check_confidence(fn, confidence)
     rows = _check_groups(fn, groups)
-    if n_boot < 100:
-        raise ValueError(f"{fn}: n_boot must be >= 100 for a percentile interval, got {n_boot}")
     sums, counts = [sum(g) for g in rows], [len(g) for g in rows]
-    rng = random.Random(seed)
-    stats = []
-    for _ in range(n_boot):
-        picks = [rng.randrange(len(rows)) for _ in rows]
-        stats.append(sum(sums[i] for i in picks) / sum(counts[i] for i in picks))
-    stats.sort()
-    tail = (1 - confidence) / 2
-    lo, hi = stats[int(math.floor(tail * (n_boot - 1)))], stats[int(math.ceil((1 - tail) * (n_boot - 1)))]
+    lo, hi = _percentile_bootstrap(fn, len(rows), lambda picks: sum(sums[i] for i in picks)
+                                   / sum(counts[i] for i in picks), confidence, n_boot, seed)
     return sum(sums) / sum(counts), lo, hi
 
 
@@ -211,20 +203,23 @@ def paired_bootstrap_difference(before: Sequence[Sequence[float]], after: Sequen
     b_rows, a_rows = _check_groups(fn, before), _check_groups(fn, after)
     if len(b_rows) != len(a_rows):
         raise ValueError(f"{fn}: before has {len(b_rows)} prompts and after {len(a_rows)}; pair them prompt by prompt")
-    if n_boot < 100:
-        raise ValueError(f"{fn}: n_boot must be >= 100 for a percentile interval, got {n_boot}")
     bs, bn = [sum(g) for g in b_rows], [len(g) for g in b_rows]
     as_, an = [sum(g) for g in a_rows], [len(g) for g in a_rows]
-    rng = random.Random(seed)
-    stats = []
-    for _ in range(n_boot):
-        picks = [rng.randrange(len(b_rows)) for _ in b_rows]
-        stats.append(sum(as_[i] for i in picks) / sum(an[i] for i in picks)
-                     - sum(bs[i] for i in picks) / sum(bn[i] for i in picks))
-    stats.sort()
-    tail = (1 - confidence) / 2
-    lo, hi = stats[int(math.floor(tail * (n_boot - 1)))], stats[int(math.ceil((1 - tail) * (n_boot - 1)))]
+    lo, hi = _percentile_bootstrap(fn, len(b_rows), lambda picks: sum(as_[i] for i in picks) / sum(an[i] for i in picks)
+                                   - sum(bs[i] for i in picks) / sum(bn[i] for i in picks), confidence, n_boot, seed)
     return sum(as_) / sum(an) - sum(bs) / sum(bn), lo, hi
+
+
+def _percentile_bootstrap(fn: str, n_prompts: int, statistic, confidence: float, n_boot: int,
+                          seed: int) -> tuple[float, float]:
+    """(low, high): percentiles of `statistic(picks)` over `n_boot` draws of `n_prompts` prompt indices with
+    replacement. The two intervals above differ only in the statistic; the resampling is this one."""
+    if n_boot < 100:
+        raise ValueError(f"{fn}: n_boot must be >= 100 for a percentile interval, got {n_boot}")
+    rng = random.Random(seed)
+    stats = sorted(statistic([rng.randrange(n_prompts) for _ in range(n_prompts)]) for _ in range(n_boot))
+    tail = (1 - confidence) / 2
+    return stats[int(math.floor(tail * (n_boot - 1)))], stats[int(math.ceil((1 - tail) * (n_boot - 1)))]
 
 
 def intraclass_correlation(groups: Sequence[Sequence[float]]) -> float:

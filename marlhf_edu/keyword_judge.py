@@ -382,10 +382,10 @@ def evasion_pairs(pairs: list[dict], template, limit: int) -> list[dict]:
         if prefers_refusal(p):
             out.append({**p, "rejected": EVASIONS[len(out) % len(EVASIONS)]})
     bad = [b for pair in zip(EVASIONS, GENERIC_REFUSALS * 2) for b in pair]
+    prompts = helpful_prompts(template, len(HELPFUL_ANSWERS))
     for r in range(len(bad)):
-        for i, (question, answer) in enumerate(HELPFUL_ANSWERS):
+        for i, (prompt, (_, answer)) in enumerate(zip(prompts, HELPFUL_ANSWERS)):
             if len(out) == limit:
                 return out
-            out.append({"prompt": template.dialogue([(question, None)]), "chosen": answer,
-                        "rejected": bad[(i + r) % len(bad)]})
+            out.append({"prompt": prompt, "chosen": answer, "rejected": bad[(i + r) % len(bad)]})
     return out
