@@ -2,7 +2,8 @@
 
     python tools/best_of_n_smollm2.py [--reward zoo/smollm2_reward_adapter] [--n 16] [--requests 64]
         # -> benchmarks/smollm2_best_of_n.json (+ the samples, benchmarks/smollm2_best_of_n_samples.jsonl.gz
-        #    and smollm2_best_of_n_benign_samples.jsonl.gz)
+        #    and smollm2_best_of_n_benign_samples.jsonl.gz); the record of the reward model shipped before the
+        #    written pairs is benchmarks/smollm2_rm_probed_head.json
 
 The SFT model (the shipped SFT adapter merged into SmolLM2, fp32) samples N answers at T = 0.7 (seed 0) to each
 held-out red-team request of `KeywordJudge`, once: the samples are stored and reused, so every reward model is
