@@ -65,13 +65,22 @@ def test_chapter_structure(md_path):
     assert re.search(r"^# graded: \d+ points?$", text, re.M), "every exercise has a graded test cell"
     assert "### BEGIN HIDDEN TESTS" in text, "graded cells carry hidden tests"
     assert 2 <= len(re.findall(r"^\*\*Model answer \(\d+ points?\)\.\*\*", text, re.M)) <= 4, "2-4 conceptual questions"
-    assert text.index("## Questions") > text.index("## Summary") and "## Suggested experiment" in text
+    # whole heading lines: "### Questions that ..." inside a section is not the questions section
+    assert heading_at(text, "## Questions") > heading_at(text, "## Summary")
+    heading_at(text, "## Suggested experiment")
     assert "plt." in text, "every chapter has at least one figure"
     for cell in re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", text, flags=re.S):
         # Jupyter displays only a cell's last expression: an earlier bare show() shows nothing
         statements = [line for line in cell.splitlines() if line and not line.startswith((" ", "#"))]
         for line in statements[:-1]:
             assert not line.startswith("show("), f"{md_path.name}: `{line}` is not its cell's last statement"
+
+
+def heading_at(text: str, heading: str) -> int:
+    """Offset of the line that is exactly `heading` (once), failing with the heading's name."""
+    found = [m.start() for m in re.finditer(rf"^{re.escape(heading)}[ \t]*$", text, re.M)]
+    assert len(found) == 1, f"expected one {heading!r} line, found {len(found)}"
+    return found[0]
 
 
 def read_pins(lines):
