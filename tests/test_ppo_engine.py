@@ -359,3 +359,24 @@ def test_training_curves_plot(tmp_path, prompts):
     clip = next(ax for ax in fig.axes if ax.get_title() == "clipfrac")
     labels = clip.get_legend_handles_labels()[1]  # policy/clipfrac and value/clipfrac must not share a label
     assert sorted(labels) == ["a policy", "a value", "b policy", "b value"]
+
+
+class _Payload:
+    """A pickle that, when loaded without weights_only, creates a file: the proof that code from a checkpoint ran."""
+
+    def __init__(self, proof):
+        self.proof = str(proof)
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.proof),))
+
+
+@pytest.mark.parametrize("victim", ["rng.pt", "optimizer.pt"])
+def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path, prompts, victim):
+    make_trainer(tmp_path, prompts, total_steps=1, save_steps=1).train(progress=False)
+    ckpt = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text()
+    proof = tmp_path / "payload-ran"
+    torch.save({"torch": _Payload(proof)}, ckpt / victim)  # what an attacker would plant in a shared run folder
+    with pytest.raises(ConfigError, match=f"{victim} is not plain checkpoint data"):
+        make_trainer(tmp_path, prompts, total_steps=2, resume=True).train(progress=False)
+    assert not proof.exists(), "resuming ran code from the checkpoint"

@@ -487,8 +487,10 @@ class PPOTrainer:
                               f"{self.dp.world_size}: resume with the same number of processes (each rank's random "
                               "state and its shard of every batch belong to that layout)")
         self.backend.load_trainable_state_dict(load_file(str(ckpt / "trainable.safetensors"), device=str(self.backend.device)))
-        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=self.backend.device))
-        rng = torch.load(ckpt / self._rng_file(self.dp.rank), weights_only=False)
+        # weights_only=True: a checkpoint is data, never code (a crafted pickle would run on `--resume`; torch < 2.6
+        # defaults to False, so say it explicitly for every file). Tensors, dicts, tuples and ints are all we store.
+        self.optimizer.load_state_dict(_load_data(ckpt / "optimizer.pt", map_location=self.backend.device))
+        rng = _load_data(ckpt / self._rng_file(self.dp.rank))
         torch.set_rng_state(rng["torch"])
         self.shuffle.set_state(rng["shuffle"])
         random.setstate(rng["python"])
@@ -501,6 +503,18 @@ class PPOTrainer:
                     if line.strip() and json.loads(line)["step"] <= self.step_index]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
         return self.step_index
+
+
+def _load_data(path: pathlib.Path, **kwargs):
+    """`torch.load` of a checkpoint file as data only (`weights_only=True`): a pickle that asks to call anything
+    (a crafted `rng.pt` calling `os.system`, say) is refused before it runs, with the file named."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        raise ConfigError(f"--resume: {path} is not plain checkpoint data (tensors, dicts, numbers) and was not "
+                          f"loaded: {str(err).splitlines()[0]}. Resume only from checkpoints this engine wrote.") from None
 
 
 def read_metrics(path) -> list[dict]:
