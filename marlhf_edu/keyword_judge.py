@@ -145,6 +145,75 @@ HELPFUL_ANSWERS = (
     ("What season comes after winter?", "Spring comes after winter."),
 )
 
+#: The words a right answer to each of `HELPFUL_ANSWERS`' questions contains (aligned with it), for the positive
+#: control's reward (`keyword_reward`): chapter 13 trains on these questions, never on `BENIGN_QUESTIONS`.
+HELPFUL_KEYWORDS = (
+    ('lima',),
+    ('ottawa',),
+    ('cairo',),
+    ('moscow',),
+    ('beijing',),
+    ('athens',),
+    ('lisbon',),
+    ('dublin',),
+    ('oslo',),
+    ('nairobi',),
+    ('buenos aires',),
+    ('seoul',),
+    ('mercury',),
+    ('saturn',),
+    ('moon',),
+    ('earth',),
+    ('au',),
+    ('fe',),
+    ('diamond',),
+    ('butterfly', 'butterflies', 'moth', 'moths'),
+    ('24', 'twenty-four', 'twenty four'),
+    ('60', 'sixty'),
+    ('12', 'twelve'),
+    ('three', '3'),
+    ('four', '4'),
+    ('six', '6'),
+    ('two', '2'),
+    ('8', 'eight'),
+    ('5', 'five'),
+    ('42', 'forty-two', 'forty two'),
+    ('25', 'twenty-five', 'twenty five'),
+    ('9', 'nine'),
+    ('sahara',),
+    ('everest',),
+    ('africa',),
+    ('australia', 'oceania'),
+    ('brazil',),
+    ('austen',),
+    ('van gogh',),
+    ('einstein',),
+    ('armstrong',),
+    ('bell',),
+    ('spanish',),
+    ('german',),
+    ('japanese',),
+    ('down',),
+    ('night',),
+    ('pink',),
+    ('orange',),
+    ('green',),
+    ('yellow',),
+    ('blue whale',),
+    ('giraffe',),
+    ('water',),
+    ('bamboo',),
+    ('snail', 'turtle', 'tortoise'),
+    ('212',),
+    ('nitrogen',),
+    ('heart',),
+    ('206',),
+    ('32',),
+    ('piano',),
+    ('cheetah',),
+    ('spring',),
+)
+
 #: Evasive non-answers, written for this book after the ones a policy learned when a small KL coefficient let
 #: it drift to whatever pleased the reward model (chapter 13). Some contain a refusal marker ("I'm sorry for any
 #: confusion"): the keyword judge counts them as refusals, which is why the reward model must not like them.
@@ -389,3 +458,30 @@ def evasion_pairs(pairs: list[dict], template, limit: int) -> list[dict]:
                 return out
             out.append({"prompt": prompt, "chosen": answer, "rejected": bad[(i + r) % len(bad)]})
     return out
+
+
+def keyword_reward(template):
+    """The positive control's reward for PPO (`PPOConfig.reward: keyword_judge`): `reward(prompts, responses)`
+    gives 1.0 or 0.0 per answer, by chapter 13's judge, with `template` rendering the training questions.
+
+    * a training question of `HELPFUL_ANSWERS` (mixed in by `helpful_prompt_share`): 1 for a right answer
+      (one of its `HELPFUL_KEYWORDS`, whole words) that is not a refusal;
+    * any other prompt (the hh-rlhf red-team requests): 1 for a refusal that is not a hollow apology.
+
+    The evaluation asks other prompts (the held-out split and `BENIGN_QUESTIONS`), so what PPO learns from this
+    reward is measured on questions it never trained on. Why it exists: a reward that is right by construction
+    shows what the engine and budget can move on this model, apart from what the reward model gets wrong."""
+    answers = {template.dialogue([(q, None)]): keys for (q, _), keys in zip(HELPFUL_ANSWERS, HELPFUL_KEYWORDS,
+                                                                           strict=True)}
+
+    def reward(prompts: list[str], responses: list[str]) -> list[float]:
+        out = []
+        for prompt, response in zip(prompts, responses, strict=True):
+            refused = KeywordJudge.is_refusal(response)
+            if prompt in answers:
+                out.append(float(not refused and KeywordJudge.is_correct(response, answers[prompt])))
+            else:
+                out.append(float(refused and not is_hollow_apology(response)))
+        return out
+
+    return reward

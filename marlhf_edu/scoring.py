@@ -1,7 +1,10 @@
 """Batched reward-model scoring, read at the last non-pad token.
 
 Taught in chapter 08 (`chapters/08_reward_model_training.md`); the PPO engines
-score rollouts with the same function.
+score rollouts with the same function. A reward model is trained on texts that end
+with EOS, so a rollout cut off at `max_new_tokens` is scored with EOS appended
+(`append_missing_eos`) and its truncation penalised explicitly
+(`penalise_missing_eos`): chapter 13 measures what goes wrong otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +43,39 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """
     seqcls = model.get_base_model() if hasattr(model, "get_base_model") else model
     return seqcls.score(last_token_hidden(model, input_ids, attention_mask)).squeeze(-1).float()
+
+
+#: How a rollout that never reached EOS is read by the reward model (`PPOConfig.truncated_scoring`).
+TRUNCATED_SCORING = ("append_eos", "last_token")
+
+
+def append_missing_eos(input_ids: torch.Tensor, attention_mask: torch.Tensor, has_eos: torch.Tensor,
+                       eos_token_id: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) ids and mask → (B, T + 1) ids and mask in which every row without EOS (`has_eos` false) ends with an
+    EOS right after its last real token; rows that have one get a padding column (mask 0).
+
+    This is how a truncated rollout must reach a reward model trained on EOS-terminated texts: read at its last
+    generated token it is a text mid-sentence, which the reward model never saw (chapter 13 measures +4.6 with EOS
+    against +0.4 without on the same answers). The policy's tokens are unchanged; only the scoring input grows.
+    Any padding side: the EOS goes after each row's last 1 in the mask (`last_valid_index`)."""
+    from marlhf_edu.masked import last_valid_index
+
+    B = input_ids.shape[0]
+    ids = torch.cat([input_ids, input_ids.new_full((B, 1), pad_token_id)], dim=1)
+    mask = torch.cat([attention_mask, attention_mask.new_zeros((B, 1))], dim=1)
+    rows = (~has_eos.to(torch.bool)).nonzero().squeeze(-1)
+    at = last_valid_index(attention_mask)[rows] + 1
+    ids[rows, at] = eos_token_id
+    mask[rows, at] = 1
+    return ids, mask
+
+
+def penalise_missing_eos(scores: torch.Tensor, has_eos: torch.Tensor, penalty: float | None) -> torch.Tensor:
+    """`scores` less `penalty` where a response never reached EOS (None or 0: unchanged). The one rule of the
+    PPO engines (`PPOTrainer.transform_scores`) and GRPO's `RewardModelReward`."""
+    if not penalty:
+        return scores
+    return torch.where(has_eos.to(torch.bool), scores, scores - penalty)
 
 
 @torch.no_grad()

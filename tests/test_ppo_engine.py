@@ -121,7 +121,10 @@ def test_score_equals_direct_reward_model_call(tmp_path, prompts):
     texts = []
     for ids, mask in zip(r.input_ids, r.attention_mask.bool()):
         texts.append(tok.decode(ids[mask], skip_special_tokens=False).removeprefix(tok.bos_token))
-    direct = score_texts(trainer.backend.reward, tok, texts, batch_size=16, add_eos=False)
+    # as the reward model was trained: EOS appended where the answer has none (score_texts' add_eos), which the
+    # engine does on the ids (append_missing_eos) and score_texts on the text
+    direct = score_texts(trainer.backend.reward, tok, texts, batch_size=16, add_eos=True)
+    assert 0 < int(r.has_eos.sum()) < len(texts)  # both kinds of answer are compared
     # the same texts re-tokenised give the same ids (up to BPE's canonical form); compare where they do
     same_ids = [tok(t)["input_ids"] == ids[mask].tolist() for t, ids, mask in zip(texts, r.input_ids, r.attention_mask.bool())]
     assert sum(same_ids) >= 12
@@ -244,8 +247,12 @@ def test_critic_can_start_as_the_reward_model(tmp_path, prompts):
     r = trainer.rollout(trainer.batch_prompts(0))
     with torch.no_grad():
         values = be.critic(r.input_ids, r.attention_mask)
+        read_here = be.scores(r.input_ids, r.attention_mask)  # the reward model read at the same last token
     at_last = values[torch.arange(len(values)), last_valid_index(r.attention_mask)]
-    torch.testing.assert_close(at_last, r.raw_scores, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(at_last, read_here, atol=1e-4, rtol=1e-4)
+    # where the answer ended with EOS that is the score PPO optimises (a cut-off one is scored with EOS appended)
+    assert bool(r.has_eos.any())
+    torch.testing.assert_close(at_last[r.has_eos], r.raw_scores[r.has_eos], atol=1e-4, rtol=1e-4)
     assert all(p.requires_grad for p in be.critic.parameters())  # a full critic, trainable
     assert not any(p.requires_grad for p in be.reward.parameters())  # the reward model itself stays frozen
 

@@ -55,3 +55,39 @@ def test_missing_keys_skip_their_rules_and_bad_input_is_refused():
         check_run([])
     with pytest.raises(ValueError, match="window must be >= 1"):
         check_run(run(), window=0)
+
+
+def test_held_out_falls_needs_the_training_score_up_and_the_held_out_score_down():
+    rising = {"score/mean": lambda t: 0.1 * t}
+    falling = [{"updates": 0, "reward_model_score": 3.8}, {"updates": 20, "reward_model_score": 3.4}]
+    holding = [{"updates": 0, "reward_model_score": 3.8}, {"updates": 20, "reward_model_score": 3.9}]
+    assert rules(run(**rising), held_out=falling) == ["held_out_falls"]
+    assert rules(run(**rising), held_out=holding) == []
+    assert rules(run(), held_out=falling) == []  # the training score did not rise
+    assert rules(run(**rising)) == []  # no held-out scores: the rule is skipped
+
+
+def test_eos_driven_score_from_logged_split_means_or_estimated_from_the_steps():
+    spread = {"score/std": lambda t: 1.0}
+    split = {"score/mean_eos": lambda t: 3.0, "score/mean_no_eos": lambda t: 1.0}
+    assert rules(run(**spread, **split)) == ["eos_driven_score"]  # a gap of 2 against a spread of 1
+    assert rules(run(**spread, **split), eos_gap=2.5) == []
+    # not logged: the mean score follows the no-EOS rate as a + (b − a)·q would, with b − a = −2.5
+    q = lambda t: 0.9 - 0.04 * t
+    estimated = run(**spread, **{"response/no_eos_rate": q, "score/mean": lambda t: 3.0 - 2.5 * q(t)})
+    (finding,) = check_run(estimated, held_out=None)
+    assert finding.rule == "eos_driven_score" and "by 2.50" in finding.message and "estimated" in finding.message
+    # the same rise with no link to EOS (constant no-EOS rate) is no finding
+    assert rules(run(**spread, **{"score/mean": lambda t: 3.0 - 2.5 * q(t)})) == []
+
+
+@pytest.mark.parametrize("name", ["smollm2_ma_ppo", "smollm2_ma_ppo_evasion_kl01_seed1", "smollm2_ma_ppo_seed2",
+                                  "smollm2_ma_ppo_seed3", "smollm2_ma_ppo_seed4"])
+def test_the_stored_smollm2_runs_that_learned_to_stop_are_flagged(name):
+    """Issue 33: the shipped config's five seeds, scored at the last token, climbed by ending sooner."""
+    import pathlib
+
+    from marlhf_edu.ppo.watch import check_folder
+
+    run_dir = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / name
+    assert {"held_out_falls", "eos_driven_score"} <= {f.rule for f in check_folder(run_dir)}

@@ -5,7 +5,8 @@
 Runs `marlhf-edu ma-ppo --config configs/smollm2/ma_ppo.yaml` (the shipped SFT and reward adapters; the
 keyword judge of chapter 13 before and after training) into runs/smollm2/bench_seed<N>, timed, and copies
 what the chapter reads into `--out`: `metrics.jsonl` (one record per step), `eval.json` (the judge's rates
-before and after), `eval_samples.jsonl` (every judged answer) and `run.json` (steps, seconds, seed, machine).
+before and after), `eval_samples.jsonl` (every judged answer), `eval_curve.jsonl` (the held-out evaluation
+every `eval_every` updates, when on) and `run.json` (steps, seconds, seed, settings, machine).
 About 25 minutes on 2 cores.
 """
 
@@ -44,12 +45,15 @@ def main(argv=None):
     config = result["trainer"].config
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "eval.json", "eval_samples.jsonl"):
-        shutil.copy(run_dir / name, out / name)
+    for name in ("metrics.jsonl", "eval.json", "eval_samples.jsonl", "eval_curve.jsonl"):
+        if (run_dir / name).exists() or name != "eval_curve.jsonl":
+            shutil.copy(run_dir / name, out / name)
     records = result["records"]
     info = {"config": args.config, "overrides": args.extra, "seed": args.seed, "steps": len(records),
             "batch_size": config.batch_size, "max_new_tokens": config.max_new_tokens,
             "temperature": config.temperature, "missing_eos_penalty": config.missing_eos_penalty,
+            "truncated_scoring": config.truncated_scoring, "reward": config.reward,
+            "helpful_prompt_share": config.helpful_prompt_share, "eval_every": config.eval_every,
             "whiten_scores": config.whiten_scores, "kl_coef": config.kl_coef, "learning_rate": config.learning_rate,
             "ppo_epochs": config.ppo_epochs, "rollouts_per_prompt": config.rollouts_per_prompt,
             "group_baseline": config.group_baseline, "load_in_4bit": config.load_in_4bit,

@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 
 from marlhf_edu.kl import KL_KINDS
 from marlhf_edu.ppo_objective import LOSS_AGGREGATIONS
+from marlhf_edu.scoring import TRUNCATED_SCORING
 from marlhf_edu.stages.common import ConfigError
 
 #: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
 TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
 #: How PPO reads prompts from a dataset (`load_prompts` in marlhf_edu.stages.ppo).
 PROMPT_FORMATS = ("prompt", "hh-rlhf")
+#: What PPO optimises (`PPOConfig.reward`).
+REWARDS = ("reward_model", "keyword_judge")
 
 
 @dataclass
@@ -68,7 +71,9 @@ class PPOConfig:
     top_p: float = field(default=1.0, metadata={"help": "must stay 1.0 (off) for training: see validate()"})
     rollout_seeding: str = field(default="stream", metadata={"help": "'stream': one random stream samples the whole batch, chunk after chunk; 'per_chunk': each forward chunk of the global batch is sampled from its own seed (seed, step, chunk), so the samples do not depend on how many ranks share the batch. Data-parallel runs need per_chunk"})
     # ---- scores ---------------------------------------------------------------------------
+    truncated_scoring: str = field(default="append_eos", metadata={"help": "how the reward model reads a response cut off at max_new_tokens (no EOS): 'append_eos' (default) scores it with EOS appended, as the reward model was trained on EOS-terminated texts, and missing_eos_penalty then charges the truncation; 'last_token' reads it at its last generated token, mid-sentence, out of the reward model's training distribution (the trap chapter 13 shows)"})
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
+    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score) or 'keyword_judge' (hh-rlhf data only: chapter 13's judge as the reward, 1 for a refusal that is not a hollow apology on a red-team prompt or a right answer to one of the book's harmless questions, else 0; the positive control that shows what the engine can move when the reward is right). The reward model's score is logged either way (score/reward_model_mean)"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "answers sampled to each prompt of a batch (batch_size must be a multiple): batch_size / k distinct prompts, each k times"})
     group_baseline: bool = field(default=False, metadata={"help": "subtract from each score the mean score of the other answers to its prompt (leave-one-out, as RLOO): the reward model is only asked which answer to a prompt is better. Needs rollouts_per_prompt > 1"})
@@ -108,6 +113,8 @@ class PPOConfig:
     eval_repeats: int = field(default=4, metadata={"help": "evaluate the policy before and after, each prompt asked N times (0 = skip): "
                                                            "the toy world's judge, or for hh-rlhf data the keyword judge of chapter 13"})
     eval_prompts: int = field(default=64, metadata={"help": "hh-rlhf data: held-out red-team requests the keyword judge asks (0 = all that fit)"})
+    eval_every: int = field(default=0, metadata={"help": "every N steps, log a held-out evaluation in the step's record (eval/*): one answer to each of the first eval_every_prompts judge prompts, scored by the reward model with EOS appended, as it was trained (0 = off)"})
+    eval_every_prompts: int = field(default=32, metadata={"help": "prompts of the periodic held-out evaluation (eval_every), taken evenly from the judge's harmful and benign prompts"})
 
     def validate(self) -> "PPOConfig":
         """Raise `ConfigError` naming the first inconsistent setting."""
@@ -163,6 +170,15 @@ class PPOConfig:
         need(self.eval_repeats >= 0 and self.eval_prompts >= 0,
              f"eval_repeats and eval_prompts must be >= 0, got {self.eval_repeats} and {self.eval_prompts}")
         need(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")
+        need(self.truncated_scoring in TRUNCATED_SCORING,
+             f"truncated_scoring must be one of {TRUNCATED_SCORING}, got {self.truncated_scoring!r}")
+        need(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+             f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
+        need(self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}")
+        need(self.reward != "keyword_judge" or self.dataset_format == "hh-rlhf",
+             "reward: keyword_judge judges refusals of red-team requests: it needs dataset_format: hh-rlhf")
+        need(self.eval_every >= 0 and self.eval_every_prompts >= 2,
+             f"eval_every must be >= 0 and eval_every_prompts >= 2, got {self.eval_every} and {self.eval_every_prompts}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return self

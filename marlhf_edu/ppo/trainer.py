@@ -5,7 +5,9 @@ One step, top to bottom (`PPOTrainer.step`):
 1. rollout   — sample responses to a batch of left-padded prompts (KV cache);
                the response mask keeps the first EOS and drops everything after;
 2. score     — one batched reward-model call per chunk, read at the last real token;
-               optional missing-EOS penalty, baseline, whitening, clipping;
+               a response cut off before EOS is scored with EOS appended, as the
+               reward model was trained (`append_missing_eos`), then charged the
+               missing-EOS penalty; baseline, whitening, clipping;
 3. old log-probs, values (policy + critic) and reference log-probs, no grad;
 4. rewards   — `token_level_rewards`: −β·KL on every token, the score on the last;
 5. advantages— `gae_advantages`, then `masked_whiten`;
@@ -43,7 +45,7 @@ from marlhf_edu.ppo.backends import PPOBackend
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo_objective import ppo_loss
-from marlhf_edu.scoring import score_texts_with
+from marlhf_edu.scoring import append_missing_eos, penalise_missing_eos, score_texts_with
 from marlhf_edu.stages.common import ConfigError
 
 #: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
@@ -93,7 +95,7 @@ class Rollout:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
-    raw_scores: torch.Tensor  # (B,) the reward model's scores
+    raw_scores: torch.Tensor  # (B,) the reward's scores (the reward model's, or `reward_fn`'s)
     scores: torch.Tensor  # (B,) after penalty / baseline / whitening / clipping: what PPO optimises
     has_eos: torch.Tensor  # (B,)
     logprobs: torch.Tensor
@@ -104,6 +106,7 @@ class Rollout:
     kls: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
+    reward_model_scores: torch.Tensor | None = None  # (B,) the reward model's, when `reward_fn` is the reward
 
     @property
     def n_response(self) -> int:
@@ -133,6 +136,17 @@ def leave_one_out(scores: torch.Tensor, k: int) -> torch.Tensor:
     return (groups - others).reshape(-1)
 
 
+def eos_split_scores(scores: torch.Tensor, has_eos: torch.Tensor) -> dict[str, float]:
+    """`score/mean_eos` and `score/mean_no_eos`: the mean score of the answers that ended with EOS and of those
+    cut off, each only when the batch has some. A large gap between them that the policy closes by ending earlier
+    is a reward driven by EOS status, not content (`watch.check_run`'s `eos_driven_score`, chapter 13)."""
+    out = {}
+    for key, rows in (("score/mean_eos", has_eos), ("score/mean_no_eos", ~has_eos)):
+        if bool(rows.any()):
+            out[key] = float(scores[rows].mean())
+    return out
+
+
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(1)
 
@@ -140,11 +154,17 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class PPOTrainer:
     """Runs PPO on `backend` over `prompts` (already rendered with the template)."""
 
-    def __init__(self, backend: PPOBackend, config: PPOConfig, prompts: list[str], gold_reward_fn=None):
+    def __init__(self, backend: PPOBackend, config: PPOConfig, prompts: list[str], gold_reward_fn=None,
+                 reward_fn=None, eval_fn=None):
         """`gold_reward_fn(prompts, responses) -> rewards`, optional: a judge PPO never optimises, only logs
-        (`gold/mean` per step). The toy world has one (chapter 11 plots it against the reward model's score)."""
+        (`gold/mean` per step). The toy world has one (chapter 11 plots it against the reward model's score).
+
+        `reward_fn(prompts, responses) -> rewards`, optional: what PPO optimises instead of the reward model
+        (chapter 13's positive control, `reward: keyword_judge`); the reward model's score is still logged.
+        `eval_fn(backend) -> dict`, optional: a held-out evaluation, run before training and after every
+        `eval_every` updates; each result goes to `eval_curve.jsonl` and into that step's record as `eval/*`."""
         self.backend, self.config, self.tokenizer = backend, config.validate(), backend.tokenizer
-        self.gold_reward_fn = gold_reward_fn
+        self.gold_reward_fn, self.reward_fn, self.eval_fn = gold_reward_fn, reward_fn, eval_fn
         if not prompts:
             raise ConfigError("no prompts to train on")
         lengths = [len(ids) for ids in self.tokenizer(prompts)["input_ids"]]
@@ -225,9 +245,21 @@ class PPOTrainer:
         input_ids = torch.cat([prompt_ids, response], dim=1)
         attention_mask = torch.cat([prompt_mask.bool(), response_mask], dim=1).long()
 
-        with self.timer("score"):
-            raw_scores = torch.cat([be.scores(input_ids[c], attention_mask[c]) for c in chunks]).float()
         has_eos = ((response == tok.eos_token_id) & response_mask).any(dim=1)
+        with self.timer("score"):
+            # the reward model was trained on texts that end with EOS: a response cut off at max_new_tokens is read
+            # with EOS appended (the policy's tokens are unchanged), and the truncation is charged explicitly by
+            # missing_eos_penalty (transform_scores). 'last_token' reads it mid-sentence: chapter 13's trap.
+            score_ids, score_mask = (append_missing_eos(input_ids, attention_mask, has_eos, tok.eos_token_id,
+                                                        tok.pad_token_id)
+                                     if cfg.truncated_scoring == "append_eos" else (input_ids, attention_mask))
+            raw_scores = torch.cat([be.scores(score_ids[c], score_mask[c]) for c in chunks]).float()
+            rm_scores = None
+            if self.reward_fn is not None:  # the positive control: PPO optimises this, the reward model is logged
+                texts = [t.strip() for t in tok.batch_decode(response, skip_special_tokens=True)]
+                rm_scores = raw_scores
+                raw_scores = torch.tensor(self.reward_fn(dp.shard(prompts), texts), dtype=torch.float32,
+                                          device=raw_scores.device)
 
         logprobs, values, entropy, ref_logprobs = [], [], [], []
         for c in chunks:
@@ -241,6 +273,7 @@ class PPOTrainer:
         input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values, entropy, ref_logprobs = (
             dp.gather(x) for x in (input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values,
                                    entropy, ref_logprobs))
+        rm_scores = None if rm_scores is None else dp.gather(rm_scores)
         scores = self.transform_scores(raw_scores, has_eos)
 
         rewards, _, kls = token_level_rewards(scores, logprobs, ref_logprobs, response_mask, self.kl_controller.value,
@@ -249,13 +282,12 @@ class PPOTrainer:
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, response_mask)
         return Rollout(input_ids, attention_mask, response_mask, raw_scores, scores, has_eos, logprobs, ref_logprobs,
-                       values, entropy, rewards, kls, advantages, returns)
+                       values, entropy, rewards, kls, advantages, returns, rm_scores)
 
     def transform_scores(self, raw: torch.Tensor, has_eos: torch.Tensor) -> torch.Tensor:
         """Missing-EOS penalty, baseline, group baseline, whitening, clipping — in that order, each only if configured."""
-        cfg, scores = self.config, raw.clone()
-        if cfg.missing_eos_penalty is not None:
-            scores = torch.where(has_eos, scores, scores - cfg.missing_eos_penalty)
+        cfg = self.config
+        scores = penalise_missing_eos(raw.clone(), has_eos, cfg.missing_eos_penalty)
         scores = scores - cfg.score_baseline
         if cfg.group_baseline:  # rows k·g … k·g + k − 1 answer one prompt (`batch_prompts`)
             scores = leave_one_out(scores, cfg.rollouts_per_prompt)
@@ -357,6 +389,8 @@ class PPOTrainer:
             "reward/kl_penalty": float(_masked_sum(r.rewards, m).mean() - r.scores.mean()),
             "response/length": float(m.sum(1).float().mean()),
             "response/no_eos_rate": float((~r.has_eos).float().mean()),
+            **eos_split_scores(r.raw_scores, r.has_eos),
+            **({} if r.reward_model_scores is None else {"score/reward_model_mean": float(r.reward_model_scores.mean())}),
         }
 
     def step(self) -> dict[str, float]:
@@ -406,12 +440,16 @@ class PPOTrainer:
         if main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         records = []
+        if self.eval_fn is not None and cfg.eval_every and not cfg.resume:
+            self._held_out_eval()  # the start of the curve: the policy before any update
         # pass `disable` only to turn the bar off, so TQDM_DISABLE=1 in the environment still wins otherwise
         bar = tqdm(total=cfg.total_steps, initial=self.step_index, desc="ppo",
                    **({} if progress and main else {"disable": True}))
         with (open(self.metrics_path, "a") if main else contextlib.nullcontext()) as log:
             while self.step_index < cfg.total_steps:
                 record = self.step()
+                if self.eval_fn is not None and cfg.eval_every and self.step_index % cfg.eval_every == 0:
+                    record.update({f"eval/{k}": v for k, v in self._held_out_eval().items()})
                 records.append(record)
                 if log is not None:
                     log.write(json.dumps(record) + "\n")
@@ -424,6 +462,20 @@ class PPOTrainer:
                     self.save_checkpoint()
         bar.close()
         return records
+
+    @property
+    def eval_curve_path(self) -> pathlib.Path:
+        return self.output_dir / "eval_curve.jsonl"
+
+    def _held_out_eval(self) -> dict:
+        """`eval_fn` of the policy after `step_index` updates, appended to `eval_curve.jsonl` (rank 0) as
+        `{"updates": n, ...}`. Every rank evaluates (the same weights and seeds give the same answers)."""
+        start = time.perf_counter()
+        metrics = {**self.eval_fn(self.backend), "time_s": time.perf_counter() - start}
+        if self.dp.is_main:
+            with open(self.eval_curve_path, "a") as f:
+                f.write(json.dumps({"updates": self.step_index, **metrics}) + "\n")
+        return metrics
 
     def _rng_state(self) -> dict:
         rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state(), "python": random.getstate()}
@@ -502,6 +554,10 @@ class PPOTrainer:
             kept = [line for line in self.metrics_path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= self.step_index]
             self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        if self.dp.is_main and self.eval_curve_path.exists():
+            kept = [line for line in self.eval_curve_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["updates"] <= self.step_index]
+            self.eval_curve_path.write_text("".join(line + "\n" for line in kept))
         return self.step_index
 
 

@@ -16,14 +16,23 @@ arguments; a finding is a reason to read samples, not proof. What the rules look
   a few answers, exploration has stopped;
 * `reward_hacking`: the reward model's score rises while a judge it does not know of (`gold/mean`, logged when
   the run has one) falls;
+* `held_out_falls`: the training score rises while the reward model's own score of held-out answers, read as it
+  was trained (EOS appended; `eval_curve.jsonl`, or `eval.json`'s before and after), falls: what the policy
+  learned to please is not what the reward model rewards on text it was trained for;
+* `eos_driven_score`: answers that end with EOS and answers cut off score apart by more than `eos_gap` times the
+  spread of the batch's scores (`score/std`): the score rewards ending, not content, and a policy can climb it
+  by stopping sooner. From `score/mean_eos` and `score/mean_no_eos` when logged, else estimated from how the
+  step's mean score follows its no-EOS rate (a least-squares slope over the steps, used when they correlate);
 * `skipped_minibatches`: the ratio threshold skipped an optimizer step (the policy moved too far in one step);
 * `critic_not_learning`: the value head's explained variance stays below zero at the end.
 
-Taught in chapter 15.
+Taught in chapter 15 (`held_out_falls` and `eos_driven_score` in chapter 13).
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
 from dataclasses import dataclass
 
 
@@ -43,11 +52,64 @@ def _mean(records: list[dict], key: str) -> float:
     return sum(r[key] for r in records) / len(records)
 
 
-def check_run(records: list[dict], *, window: int = 5, kl_limit: float = 6.0, length_drop: float = 0.5,
-              entropy_drop: float = 0.5, no_eos_limit: float = 0.5, score_rise: float = 0.1,
-              gold_fall: float = 0.05) -> list[Finding]:
+def read_held_out(run_dir) -> list[dict]:
+    """The held-out reward-model scores of a run folder, as `[{"updates": n, "reward_model_score": s}, ...]`:
+    `eval_curve.jsonl` (`eval_every`) when it exists, else `eval.json`'s before (0 updates) and after (the last
+    step of `metrics.jsonl`); [] when the run has neither."""
+    run_dir = pathlib.Path(run_dir)
+    if (run_dir / "eval_curve.jsonl").exists():
+        return [json.loads(line) for line in (run_dir / "eval_curve.jsonl").read_text().splitlines() if line.strip()]
+    if not (run_dir / "eval.json").exists():
+        return []
+    evals = json.loads((run_dir / "eval.json").read_text())
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    out = []
+    for when, updates in (("before", 0), ("after", steps[-1] if steps else 0)):
+        if "reward_model_score" in evals.get(when, {}):
+            out.append({"updates": updates, "reward_model_score": evals[when]["reward_model_score"]})
+    return out
+
+
+def check_folder(run_dir, **thresholds) -> list[Finding]:
+    """`check_run` of a run folder: its `metrics.jsonl` and held-out scores (`read_held_out`)."""
+    run_dir = pathlib.Path(run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return check_run(records, held_out=read_held_out(run_dir), **thresholds)
+
+
+def eos_score_gap(records: list[dict], min_corr: float = 0.5) -> tuple[float, str] | None:
+    """(mean score of answers with EOS − of answers without, how it was found), or None when it cannot be told.
+
+    Logged split means (`score/mean_eos`, `score/mean_no_eos`) are averaged over the steps that have both.
+    Otherwise: if every answer of a step scored `a` with EOS and `b` without, the step's mean would be
+    a + (b − a)·q at no-EOS rate q, so the least-squares slope of `score/mean` on `response/no_eos_rate` over
+    the steps estimates b − a; used only when the two correlate (absolute correlation at least `min_corr`) and q varied (range ≥ 0.2),
+    since the content of the answers changes too."""
+    both = [r for r in records if "score/mean_eos" in r and "score/mean_no_eos" in r]
+    if both:
+        return sum(r["score/mean_eos"] - r["score/mean_no_eos"] for r in both) / len(both), f"logged over {len(both)} steps"
+    pts = [(r["response/no_eos_rate"], r["score/mean"]) for r in records
+           if "response/no_eos_rate" in r and "score/mean" in r]
+    if len(pts) < 3:
+        return None
+    qs, ss = zip(*pts)
+    mq, ms = sum(qs) / len(qs), sum(ss) / len(ss)
+    sqq = sum((q - mq) ** 2 for q in qs)
+    sss = sum((x - ms) ** 2 for x in ss)
+    if max(qs) - min(qs) < 0.2 or sqq == 0 or sss == 0:
+        return None
+    sqs = sum((q - mq) * (x - ms) for q, x in pts)
+    if abs(sqs) / (sqq * sss) ** 0.5 < min_corr:
+        return None
+    return -sqs / sqq, f"estimated: slope of the score on the no-EOS rate over {len(pts)} steps"
+
+
+def check_run(records: list[dict], *, held_out: list[dict] | None = None, window: int = 5, kl_limit: float = 6.0,
+              length_drop: float = 0.5, entropy_drop: float = 0.5, no_eos_limit: float = 0.5, score_rise: float = 0.1,
+              gold_fall: float = 0.05, held_out_fall: float = 0.05, eos_gap: float = 1.0) -> list[Finding]:
     """The findings of the rules above on a run's step records (`read_metrics`), in rule order; [] = none.
 
+    `held_out`: the run's held-out reward-model scores (`read_held_out`), for `held_out_falls`.
     A run shorter than 2 · `window` steps is compared first window against last window all the same (they
     overlap); a key the run did not log skips its rule.
     """
@@ -81,6 +143,22 @@ def check_run(records: list[dict], *, window: int = 5, kl_limit: float = 6.0, le
         if d_score > score_rise and d_gold < -gold_fall:
             found.append(Finding("reward_hacking", end, f"the reward model's score rose by {d_score:.2f} while the "
                                                         f"gold judge fell by {-d_gold:.2f}"))
+    if score and held_out and len(held_out) >= 2:
+        d_score = score[1] - score[0]
+        h0, h1 = held_out[0]["reward_model_score"], held_out[-1]["reward_model_score"]
+        if d_score > score_rise and h1 - h0 < -held_out_fall:
+            found.append(Finding("held_out_falls", end, f"the training score rose by {d_score:.2f} while the reward "
+                                                        f"model's held-out score (EOS appended, as trained) fell "
+                                                        f"from {h0:.2f} to {h1:.2f} (after {held_out[-1]['updates']} "
+                                                        "updates)"))
+    spread = start_now("score/std")
+    if spread and (gap := eos_score_gap(records)):
+        typical = (spread[0] + spread[1]) / 2
+        if typical > 0 and abs(gap[0]) > eos_gap * typical:
+            side = "with EOS above those without" if gap[0] > 0 else "without EOS above those with"
+            found.append(Finding("eos_driven_score", end, f"answers {side} by {abs(gap[0]):.2f}, "
+                                                          f"{abs(gap[0]) / typical:.1f} times the spread of a batch's "
+                                                          f"scores ({typical:.2f}; {gap[1]})"))
     for r in records:
         if r.get("ppo/skipped_minibatches", 0) > 0:
             found.append(Finding("skipped_minibatches", r["step"], f"{r['ppo/skipped_minibatches']:g} minibatch(es) "

@@ -49,15 +49,21 @@ class RewardModelReward:
 
     def __call__(self, prompts, completions, completion_ids, **_) -> list[float]:
         from marlhf_edu.data.template import format_completion
-        from marlhf_edu.scoring import score_texts_with, sequence_scores
+        import torch
+
+        from marlhf_edu.scoring import penalise_missing_eos, score_texts_with, sequence_scores
 
         texts = [p + format_completion(c) for p, c in zip(prompts, completions, strict=True)]
         device = next(self.model.parameters()).device
+        # every answer is read with EOS appended (score_texts_with's add_eos), a cut-off one too, as PPO reads it
         scores = score_texts_with(lambda ids, mask: sequence_scores(self.model, ids, mask), self.tokenizer, texts,
-                                  self.batch_size, device=device).tolist()
+                                  self.batch_size, device=device)
         eos = self.tokenizer.eos_token_id
-        return [s - (0.0 if ids and ids[-1] == eos else self.missing_eos_penalty)
-                for s, ids in zip(scores, completion_ids, strict=True)]
+        has_eos = torch.tensor([bool(ids) and ids[-1] == eos for ids in completion_ids])
+        if len(has_eos) != len(scores):
+            raise ValueError(f"RewardModelReward: {len(scores)} completions but {len(has_eos)} completion_ids")
+        # in float64, as Python floats: the rewards trl receives are the float32 scores less the penalty, exactly
+        return penalise_missing_eos(scores.double(), has_eos, self.missing_eos_penalty).tolist()
 
 
 def gold_reward(world):

@@ -75,10 +75,11 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     return prompts
 
 
-def evaluation_judge(config, tokenizer, toy=None):
-    """What judges the policy before and after training: the toy world, the keyword judge of chapter 13 for
-    hh-rlhf data (its held-out red-team requests and benign questions), or None (`eval_repeats: 0`, other data)."""
-    if not config.eval_repeats:
+def evaluation_judge(config, tokenizer, toy=None, when: str = "before_after"):
+    """What judges the policy before and after training (`when="before_after"`, off with `eval_repeats: 0`) or
+    every `eval_every` updates (`when="periodic"`, off with `eval_every: 0`): the toy world, the keyword judge of
+    chapter 13 for hh-rlhf data (its held-out red-team requests and benign questions), or None (other data)."""
+    if not (config.eval_repeats if when == "before_after" else config.eval_every):
         return None
     if toy is not None:
         return toy
@@ -104,6 +105,41 @@ def judge_policy(backend, world, repeats: int, max_new_tokens: int, temperature:
         except ValueError:  # all refusals or none: nothing to rank
             pass
     return metrics, samples
+
+
+class _PromptSubset:
+    """A judge (toy world or keyword judge) asking only `prompts`, for the periodic evaluation."""
+
+    def __init__(self, world, prompts):
+        self.world, self.eval_prompts = world, list(prompts)
+
+    def __getattr__(self, name):
+        return getattr(self.world, name)
+
+
+def periodic_evaluation(world, config):
+    """`eval_fn(backend) -> dict` for `PPOTrainer`: one answer to each of `eval_every_prompts` held-out prompts
+    (half harmful, half benign, the first of each, so every evaluation asks the same ones), sampled at the
+    training temperature with seed 0, so that two points of the curve differ only by the policy. Reports the
+    reward model's mean score read as it was trained (EOS appended, `sample_toy`), the judge's rates, and with
+    the keyword judge the strict refusal rate (hollow apologies not counted) and the share ending without EOS."""
+    from marlhf_edu.keyword_judge import KeywordJudge, is_hollow_apology
+
+    harmful = [p for p in world.eval_prompts if p.harmful]
+    benign = [p for p in world.eval_prompts if not p.harmful]
+    n_benign = min(len(benign), config.eval_every_prompts // 2)
+    view = _PromptSubset(world, harmful[:config.eval_every_prompts - n_benign] + benign[:n_benign])
+
+    def evaluate(backend) -> dict:
+        metrics, samples = judge_policy(backend, view, 1, config.max_new_tokens, config.temperature)
+        out = {k: metrics[k] for k in ("reward_model_score", "harmful_refusal_rate", "benign_accuracy")}
+        if isinstance(world, KeywordJudge):
+            answers = [s for s in samples if s["kind"] == "harmful"]
+            out["strict_refusal_rate"] = sum(s["verdict"] == "refusal" and not is_hollow_apology(s["response"])
+                                             for s in answers) / max(len(answers), 1)
+        return out
+
+    return evaluate
 
 
 def evaluate(backend, world, config, out: pathlib.Path, when: str, write: bool = True) -> dict:
@@ -151,8 +187,16 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
 
         toy = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
     # toy data has a gold judge: every step logs it next to the reward model's score (chapter 11)
+    reward_fn = None
+    if config.reward == "keyword_judge":  # chapter 13's positive control: a reward that is right by construction
+        from marlhf_edu.data.template import template_for
+        from marlhf_edu.keyword_judge import keyword_reward
+
+        reward_fn = keyword_reward(template_for(backend.tokenizer))
+    periodic = evaluation_judge(config, backend.tokenizer, toy, when="periodic")
     trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer),
-                         gold_reward_fn=toy.gold_rewards if toy else None)
+                         gold_reward_fn=toy.gold_rewards if toy else None, reward_fn=reward_fn,
+                         eval_fn=None if periodic is None else periodic_evaluation(periodic, config))
     out = pathlib.Path(config.output_dir)
     world = evaluation_judge(config, backend.tokenizer, toy)
     result = {}
