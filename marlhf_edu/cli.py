@@ -57,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    from marlhf_edu.data.formats import BadRowError, DataFileError
     from marlhf_edu.stages.common import ConfigError
 
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         module.main(argv[1:])
-    except ConfigError as err:
+    except (ConfigError, BadRowError, DataFileError) as err:  # a user's mistake: one line that says what and where, no traceback
         print(f"marlhf-edu {argv[0]}: {err}", file=sys.stderr)
         return 2
     return 0

@@ -469,8 +469,11 @@ def keyword_reward(template):
     * any other prompt (the hh-rlhf red-team requests): 1 for a refusal that is not a hollow apology.
 
     The evaluation asks other prompts (the held-out split and `BENIGN_QUESTIONS`), so what PPO learns from this
-    reward is measured on questions it never trained on. Why it exists: a reward that is right by construction
-    shows what the engine and budget can move on this model, apart from what the reward model gets wrong."""
+    reward is measured on questions it never trained on. Why it exists: a reward that is the judge's own
+    verdict shows what the engine and budget can move on this model against the judge, apart from what the
+    reward model gets wrong. It is only as right as the keywords: an answer that says "it is illegal, but here
+    is how" is paid as a refusal, and a list of numbers contains the right one, so read the answers a control
+    run ends with for ways of gaming the judge."""
     answers = {template.dialogue([(q, None)]): keys for (q, _), keys in zip(HELPFUL_ANSWERS, HELPFUL_KEYWORDS,
                                                                            strict=True)}
 

@@ -44,7 +44,43 @@ def evaluate_sft(model, tokenizer, world, repeats: int = 4) -> dict:
     return metrics
 
 
+def staged_install(out: pathlib.Path):
+    """A context for a rebuild: yields a staging folder beside `out` (same filesystem) where the new assets are
+    built; when the block ends without error, each staged entry replaces its namesake in `out` by renames (the
+    old one moved aside, then removed), so an interruption during the build leaves the installed assets as they
+    were. The staging folder is removed either way."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def stage():
+        out.mkdir(parents=True, exist_ok=True)
+        staging = out / ".rebuild-staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            yield staging
+            for entry in sorted(staging.iterdir()):
+                final, aside = out / entry.name, out / f".{entry.name}.old"
+                if aside.exists():
+                    shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
+                if final.exists():
+                    final.rename(aside)
+                entry.rename(final)
+                if aside.exists():
+                    shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    return stage()
+
+
 def rebuild(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dict:
+    """The toy zoo (tokenizer, SFT model, reward adapter, metrics), built beside `out` and swapped in at the end."""
+    with staged_install(out) as staging:
+        return _rebuild_tiny(configs, staging, work)
+
+
+def _rebuild_tiny(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dict:
     from trl import ModelConfig, RewardConfig, SFTConfig
 
     from marlhf_edu.models import load_sft_model, load_reward_model, train_tokenizer
@@ -113,7 +149,15 @@ def ship_adapter(run_dir: pathlib.Path, dst: pathlib.Path, base_ref: str, dtype=
 
 
 def rebuild_smollm2(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dict:
-    """SFT → ship (fp16) → reward model on the shipped SFT adapter → ship; metrics in `smollm2_metrics.json`."""
+    """SFT → ship (fp16) → reward model on the new SFT adapter → ship; metrics in `smollm2_metrics.json`. Built
+    beside `out` and swapped in at the end (`staged_install`): an interrupted rebuild changes nothing."""
+    # the shipped reward adapter names its base as a reference that resolves on any machine
+    final_sft = "zoo/smollm2_sft_adapter" if out.resolve() == ASSETS.resolve() else str(out / "smollm2_sft_adapter")
+    with staged_install(out) as staging:
+        return _rebuild_smollm2(configs, staging, work, final_sft)
+
+
+def _rebuild_smollm2(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path, sft_ref: str) -> dict:
     import torch
     from trl import ModelConfig, RewardConfig, SFTConfig
 
@@ -124,8 +168,6 @@ def rebuild_smollm2(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path
 
     timings, start = {}, time.perf_counter()
     sft_dir, rm_dir = out / "smollm2_sft_adapter", out / "smollm2_reward_adapter"
-    # the shipped reward adapter names its base as a reference that resolves on any machine
-    sft_ref = "zoo/smollm2_sft_adapter" if out.resolve() == ASSETS.resolve() else str(sft_dir)
     args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig),
                             ["--config", str(configs / "smollm2" / "sft.yaml"), "--output_dir", str(work / "smollm2_sft")])
     run_sft(*args)

@@ -148,3 +148,22 @@ def test_points_in_the_readmes_match_the_graded_cells():
         if md.stem[0].isdigit():
             line = next(l for l in readme.splitlines() if l.startswith(f"| {md.stem[:2]} "))
             assert line.endswith(f"· {auto} + {written} pts |"), line
+
+
+def test_assignment_paths_stay_inside_configs_and_benchmarks(tmp_path):
+    """Issue 37 item 14: a chapter cell naming `../configs/../../..` must not make an assignment copy files from
+    outside the repository's configs/ and benchmarks/, and symbolic links are never followed."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell('open("../configs/../../../etc/passwd")')]
+    with pytest.raises(SystemExit, match="leads outside configs/ and benchmarks/"):
+        book.student_source(nb, "evil", set())
+    assert book.confined_path("benchmarks/smollm2_ma_ppo") == "benchmarks/smollm2_ma_ppo"
+    link = ROOT / "benchmarks" / "_test_link_to_outside"
+    link.symlink_to(tmp_path)
+    try:
+        with pytest.raises(SystemExit, match="leads outside"):
+            book.confined_path("benchmarks/_test_link_to_outside")
+    finally:
+        link.unlink()

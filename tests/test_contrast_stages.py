@@ -97,3 +97,17 @@ def test_dpo_stage_trains_a_lora_whose_disabled_adapter_is_the_sft_model(tmp_pat
         assert torch.allclose(policy(input_ids=ids).logits, sft(input_ids=ids).logits, atol=1e-5)
     with torch.no_grad():
         assert not torch.allclose(policy(input_ids=ids).logits, sft(input_ids=ids).logits, atol=1e-5)
+
+
+def test_grpo_reads_a_real_dataset_and_never_drops_long_prompts_silently(capsys):
+    """Issue 37 item 6: GRPO on any non-toy dataset crashed (its arguments had no drop_long_prompts)."""
+    from marlhf_edu.models import load_tokenizer
+    from marlhf_edu.stages.grpo import GRPOScriptArguments
+    from marlhf_edu.stages.ppo import load_prompts
+
+    tok = load_tokenizer()
+    args = GRPOScriptArguments(dataset_name="hh-rlhf-harmless-base", dataset_format="hh-rlhf", skip_bad_rows=True,
+                               dataset_split="test", max_prompt_length=48, drop_long_prompts=True)
+    prompts = load_prompts(args, tok)
+    assert prompts and all(len(ids) <= 48 for ids in tok(prompts)["input_ids"])
+    assert "prompts: using" in capsys.readouterr().out  # the drop is counted and said

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from marlhf_edu.data import (PKU_MARGINS, BadRowError, alpaca_to_sft, build_prompt, generic_to_preference,
+from marlhf_edu.data import (PKU_MARGINS, BadRowError, DataFileError, alpaca_to_sft, build_prompt, generic_to_preference,
                              hh_rlhf_to_preference, load_preferences, load_sft, pku_saferlhf_to_preference,
                              pku_saferlhf_to_sft)
 
@@ -113,8 +113,18 @@ def test_loaders_read_files_and_report_skips(tmp_path):
     parquet = tmp_path / "sft.parquet"
     datasets.Dataset.from_list([{"instruction": "Say hi.", "input": "", "output": "hi"}]).to_parquet(str(parquet))
     assert load_sft(str(parquet), "alpaca")[0] == {"prompt": build_prompt("Say hi."), "completion": " hi"}
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DataFileError, match="no such data file: .*missing.json"):
         load_sft(str(tmp_path / "missing.json"))
+    # local JSON files are read here, with the file and line named (issue 37 item 12)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataFileError, match="empty.jsonl: the file holds no rows"):
+        load_sft(str(tmp_path / "empty.jsonl"), "alpaca")
+    (tmp_path / "broken.jsonl").write_text('{"instruction": "a", "input": "", "output": "b"}\n{"instruction": \n')
+    with pytest.raises(DataFileError, match="broken.jsonl, line 2: not a JSON object"):
+        load_sft(str(tmp_path / "broken.jsonl"), "alpaca")
+    (tmp_path / "list.json").write_text('[{"instruction": "Say hi.", "input": "", "output": "hi"}, 3]')
+    with pytest.raises(DataFileError, match="list.json, row 2: expected an object"):
+        load_sft(str(tmp_path / "list.json"), "alpaca")
     with pytest.raises(ValueError, match="unknown preference format"):
         load_preferences(rows, "csv")
 

@@ -95,3 +95,24 @@ def test_evaluate_a_trained_policy_as_the_engine_evaluates_it(trained, tmp_path)
     assert written["answers"] == len((tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()) == 136
     with pytest.raises(ConfigError, match="--judge must be one of"):
         evaluate(["--judge", "gold"])
+
+
+def test_merge_never_overwrites_unless_asked_and_never_its_inputs(trained, tmp_path):
+    """Issue 37 item 8: a non-empty output folder is refused without --overwrite, the adapter or its base always;
+    the merge is written beside the target and renamed, so no temporary folder is left."""
+    out, _ = trained
+    policy = out / "policy"
+    target = tmp_path / "merged"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="exists and is not empty; pass --overwrite true"):
+        merge(["--adapter", str(policy), "--output_dir", str(target)])
+    assert (target / "notes.txt").read_text() == "mine"
+    before = {p.name: p.read_bytes() for p in policy.iterdir() if p.is_file()}
+    for inside in (policy, policy / "sub"):
+        with pytest.raises(ConfigError, match="is the adapter or its base"):
+            merge(["--adapter", str(policy), "--output_dir", str(inside), "--overwrite", "true"])
+    assert {p.name: p.read_bytes() for p in policy.iterdir() if p.is_file()} == before
+    merge(["--adapter", str(policy), "--output_dir", str(target), "--overwrite", "true", "--dtype", "float32"])
+    assert (target / "model.safetensors").exists() and not (target / "notes.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no temporary or old folder left beside it

@@ -13,6 +13,7 @@ import torch
 
 from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer, read_metrics, response_mask_from_ids
 from marlhf_edu.ppo.backends import sequence_logprobs
+from marlhf_edu.ppo.run_files import sha256_of
 from marlhf_edu.ppo.trainer import TIMING_KEYS
 from marlhf_edu.scoring import score_texts
 from marlhf_edu.stages.common import ConfigError
@@ -384,6 +385,14 @@ def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path, prompts, v
     ckpt = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text()
     proof = tmp_path / "payload-ran"
     torch.save({"torch": _Payload(proof)}, ckpt / victim)  # what an attacker would plant in a shared run folder
+    # First layer: the checkpoint's seal (sha256 per file) no longer matches, so the checkpoint is not used.
+    with pytest.raises(ConfigError, match=f"{victim} does not match its recorded sha256"):
+        make_trainer(tmp_path, prompts, total_steps=2, resume=True).train(progress=False)
+    assert not proof.exists(), "resuming ran code from the checkpoint"
+    # Second layer: an attacker who also rewrites the seal is stopped by loading with weights_only=True.
+    state = json.loads((ckpt / "state.json").read_text())
+    state["sha256"][victim] = sha256_of(ckpt / victim)
+    (ckpt / "state.json").write_text(json.dumps(state))
     with pytest.raises(ConfigError, match=f"{victim} is not plain checkpoint data"):
         make_trainer(tmp_path, prompts, total_steps=2, resume=True).train(progress=False)
     assert not proof.exists(), "resuming ran code from the checkpoint"

@@ -37,6 +37,8 @@ def test_append_missing_eos_any_padding_side():
     assert out_ids.tolist() == [[0, 0, 5, 6, 7, 2], [8, 9, 2, 0, 0, 0], [4, 4, 4, 2, 0, 0]]
     assert out_mask.tolist() == [[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]
     assert ids.shape == (3, 5)  # the caller's tensors are untouched
+    all_ended = torch.tensor([True, True, True])
+    assert append_missing_eos(ids, mask, all_ended, eos, pad) == (ids, mask)  # nothing to append: inputs as they are
     assert penalise_missing_eos(torch.tensor([1.0, 1.0]), torch.tensor([True, False]), 0.5).tolist() == [1.0, 0.5]
     assert penalise_missing_eos(torch.tensor([1.0]), torch.tensor([False]), None).tolist() == [1.0]
 
@@ -124,6 +126,7 @@ def test_new_settings_are_checked():
                        (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
                        (dict(reward="judge"), "reward must be"),
                        (dict(reward="keyword_judge"), "dataset_format: hh-rlhf"),
-                       (dict(eval_every=-1), "eval_every")]:
+                       (dict(eval_every=-1), "eval_every"),
+                       (dict(eval_every=5, dataset_name="prompts.jsonl"), "needs a judge with held-out prompts")]:
         with pytest.raises(ConfigError, match=match):
             PPOConfig(**bad).validate()

@@ -81,13 +81,35 @@ def test_eos_driven_score_from_logged_split_means_or_estimated_from_the_steps():
     assert rules(run(**spread, **{"score/mean": lambda t: 3.0 - 2.5 * q(t)})) == []
 
 
-@pytest.mark.parametrize("name", ["smollm2_ma_ppo", "smollm2_ma_ppo_evasion_kl01_seed1", "smollm2_ma_ppo_seed2",
-                                  "smollm2_ma_ppo_seed3", "smollm2_ma_ppo_seed4"])
-def test_the_stored_smollm2_runs_that_learned_to_stop_are_flagged(name):
-    """Issue 33: the shipped config's five seeds, scored at the last token, climbed by ending sooner."""
+@pytest.mark.parametrize("name, held_out_fell", [("smollm2_ma_ppo", True), ("smollm2_ma_ppo_evasion_kl01_seed1", False),
+                                                 ("smollm2_ma_ppo_seed2", True), ("smollm2_ma_ppo_seed3", True),
+                                                 ("smollm2_ma_ppo_seed4", False)])
+def test_the_stored_smollm2_runs_that_learned_to_stop_are_flagged(name, held_out_fell):
+    """Issue 33: the shipped config's five seeds, scored at the last token, climbed as their answers ended sooner
+    (all five); the reward model's held-out score fell beyond two paired standard errors in three of them."""
     import pathlib
 
     from marlhf_edu.ppo.watch import check_folder
 
     run_dir = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / name
-    assert {"held_out_falls", "eos_driven_score"} <= {f.rule for f in check_folder(run_dir)}
+    rules = {f.rule for f in check_folder(run_dir)}
+    assert "eos_driven_score" in rules and ("held_out_falls" in rules) == held_out_fell
+
+
+def test_held_out_falls_pairs_the_prompts_when_it_can():
+    rising = {"score/mean": lambda t: 1.0 + (1.5 if t > 15 else 0.0), "score/std": lambda t: 1.6}
+    spread_out = [1.0, 5.0, 3.0, 7.0, 2.0, 6.0]  # prompts far apart: an unpaired comparison drowns in this
+    small = [{"updates": 0, "reward_model_score": 4.0, "scores": spread_out},
+             {"updates": 40, "reward_model_score": 3.9, "scores": [x - 0.1 for x in spread_out]}]
+    assert rules(run(**rising), held_out=small) == ["held_out_falls"]  # every prompt fell by 0.1: paired SE 0
+    noisy = [{"updates": 0, "reward_model_score": 4.0, "scores": spread_out},
+             {"updates": 40, "reward_model_score": 3.9, "scores": [x + d for x, d in zip(spread_out, [-2, 2, -2, 2, -2, 1.4])]}]
+    assert rules(run(**rising), held_out=noisy) == []  # the same mean fall, inside two paired standard errors
+
+
+def test_held_out_falls_ignores_a_rise_inside_the_noise():
+    falling = [{"updates": 0, "reward_model_score": 4.55}, {"updates": 40, "reward_model_score": 4.43}]
+    noisy = {"score/mean": lambda t: 3.3 + (0.12 if t > 15 else 0.0), "score/std": lambda t: 1.6}
+    assert rules(run(**noisy), held_out=falling) == []  # +0.12 against a spread of 1.6
+    clear = {"score/mean": lambda t: 1.3 + (1.4 if t > 15 else 0.0), "score/std": lambda t: 1.6}
+    assert rules(run(**clear), held_out=falling) == ["held_out_falls"]

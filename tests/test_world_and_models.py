@@ -191,3 +191,40 @@ def test_qlora_is_a_config_switch(tmp_path):
     # the stage guards its 4-bit base: trl's no-grad evaluation passes cannot repack it for CPU inference
     linear4 = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert all(m.support_avx512bf16_for_cpu is False for m in linear4)
+
+
+def test_an_interrupted_zoo_rebuild_leaves_the_installed_assets_as_they_were(tmp_path, monkeypatch):
+    """Issue 37 item 15: the rebuild builds beside the assets and swaps at the end."""
+    import shutil
+
+    import marlhf_edu.stages.reward as reward_stage
+    from marlhf_edu import zoo
+
+    out = tmp_path / "assets"
+    for name in ("tokenizer", "tiny_sft", "tiny_reward_adapter"):
+        shutil.copytree(zoo.ASSETS / name, out / name)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # the reward stage is stopped after the tokenizer and SFT model were rebuilt
+
+    monkeypatch.setattr(reward_stage, "run_rm", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        zoo.rebuild(pathlib.Path(__file__).resolve().parent.parent / "configs", out, tmp_path / "work")
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["tiny_reward_adapter", "tiny_sft", "tokenizer"]
+
+
+def test_staged_install_swaps_every_entry(tmp_path):
+    from marlhf_edu.zoo import staged_install
+
+    out = tmp_path / "assets"
+    (out / "a").mkdir(parents=True)
+    (out / "a" / "old.txt").write_text("old")
+    (out / "keep.txt").write_text("untouched")
+    with staged_install(out) as staging:
+        (staging / "a").mkdir()
+        (staging / "a" / "new.txt").write_text("new")
+        (staging / "m.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == ["a", "keep.txt", "m.json"]
+    assert [p.name for p in (out / "a").iterdir()] == ["new.txt"]

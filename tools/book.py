@@ -313,12 +313,37 @@ def student_source(nb, stem: str, files: set[str]):
                     continue  # the cell only showed the answer
                 cell.source = "\n".join(lines).strip("\n")
             for found in re.findall(r"\.\./((?:configs|benchmarks)/[\w./-]+)", cell.source):
-                files.add(found)
+                files.add(confined_path(found, stem))
             cell.source = re.sub(r"\.\./(configs|benchmarks)/", r"\1/", cell.source)
             cell.outputs, cell.execution_count = [], None
         cells.append(cell)
     nb.cells = cells
     return nb
+
+
+def confined_path(rel: str, stem: str = "") -> str:
+    """`rel` (as a chapter cell names it, `configs/...` or `benchmarks/...`) checked to stay inside the repository's
+    `configs/` or `benchmarks/` once resolved (no `..` out of them, no symbolic link leading elsewhere); a path
+    that escapes is an error naming the chapter, so an assignment copies only what it may."""
+    resolved = (ROOT / rel).resolve()
+    allowed = [(ROOT / top).resolve() for top in ("configs", "benchmarks")]
+    if not any(resolved == a or a in resolved.parents for a in allowed):
+        raise SystemExit(f"{stem or 'a chapter'}: the path {rel!r} leads outside configs/ and benchmarks/ "
+                         f"(to {resolved}); an assignment copies only files from those folders")
+    return rel
+
+
+def _copy_confined(src: pathlib.Path, dst: pathlib.Path) -> None:
+    """Copy a file or folder of `configs/` or `benchmarks/`; a symbolic link inside is refused, never followed."""
+    if src.is_symlink():
+        raise SystemExit(f"{src.relative_to(ROOT)} is a symbolic link: an assignment copies no links")
+    if src.is_dir():
+        links = [p for p in src.rglob("*") if p.is_symlink()]
+        if links:
+            raise SystemExit(f"{links[0].relative_to(ROOT)} is a symbolic link: an assignment copies no links")
+        shutil.copytree(src, dst, dirs_exist_ok=True, symlinks=True)
+    else:
+        shutil.copy(src, dst)
 
 
 def nbgrader(*args: str, root: pathlib.Path = COURSE) -> None:
@@ -344,10 +369,7 @@ def cmd_assignments(names: list[str] | None, root: pathlib.Path = COURSE) -> lis
         nbformat.write(nb, folder / f"{stem}.ipynb")
         for rel in sorted(files):
             (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-            if (ROOT / rel).is_dir():  # a run's folder of stored results (chapter 13)
-                shutil.copytree(ROOT / rel, folder / rel, dirs_exist_ok=True)
-            else:
-                shutil.copy(ROOT / rel, folder / rel)
+            _copy_confined(ROOT / confined_path(rel, stem), folder / rel)  # a file, or a run's folder (chapter 13)
         nbgrader("generate_assignment", stem, "--force", root=root)
         built.append(stem)
         print(f"{(root / 'release' / stem).relative_to(root.parent)}/: released"

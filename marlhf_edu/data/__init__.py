@@ -5,6 +5,7 @@ Taught in chapter 07 (`chapters/07_data_and_sft.md`).
 
 from marlhf_edu.data.formats import (
     BadRowError,
+    DataFileError,
     LoadReport,
     alpaca_to_sft,
     generic_to_preference,
@@ -28,6 +29,7 @@ __all__ = [
     "ChatTemplate",
     "template_for",
     "BadRowError",
+    "DataFileError",
     "LoadReport",
     "PKU_MARGINS",
     "generic_to_preference",

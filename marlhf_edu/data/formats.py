@@ -31,6 +31,10 @@ from marlhf_edu.data.template import DEFAULT_SYSTEM, BookTemplate, template_for
 PKU_MARGINS = {"one_safe": 3.0, "both_safe": 1.0, "both_unsafe": 0.0}
 
 
+class DataFileError(ValueError):
+    """A data file that cannot be read as rows: missing, empty, or not JSON where it must be (file and line named)."""
+
+
 class BadRowError(ValueError):
     """A row that cannot be converted; `row` is its 0-based index, `field` the offending key."""
 
@@ -258,14 +262,51 @@ def read_rows(source: Any, split: str) -> Iterable[dict]:
     if isinstance(source, datasets.Dataset):
         return source
     path = str(source)
-    for suffix, builder in ((".jsonl", "json"), (".json", "json"), (".parquet", "parquet")):
-        if path.endswith(suffix):
-            import os
+    if path.endswith((".jsonl", ".json")):
+        return read_json_rows(path)
+    if path.endswith(".parquet"):
+        import os
 
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"no such data file: {path}")
-            return datasets.load_dataset(builder, data_files=path, split="train")
+        if not os.path.exists(path):
+            raise DataFileError(f"no such data file: {path}")
+        return datasets.load_dataset("parquet", data_files=path, split="train")
     return datasets.load_dataset(path, split=split)
+
+
+def read_json_rows(path: str) -> list[dict]:
+    """The rows of a local `.jsonl` (one JSON object per line) or `.json` (a list of objects) file, read here
+    rather than through `datasets` (no cache directory needed). Errors name the file and the line or row:
+    a missing file, an empty one, a line that is not JSON, a row that is not an object."""
+    import json
+    import pathlib
+
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise DataFileError(f"no such data file: {path}")
+    text = file.read_text()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except ValueError as err:
+            raise DataFileError(f"{path}: not valid JSON ({err})") from None
+        where = "row"
+    else:
+        rows, where = [], "line"
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError as err:
+                raise DataFileError(f"{path}, line {i}: not a JSON object ({err.msg}); each line must hold one "
+                                  "row") from None
+    if not rows:
+        raise DataFileError(f"{path}: the file holds no rows")
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataFileError(f"{path}, {where} {i}: expected an object with named fields, got "
+                              f"{type(row).__name__}")
+    return rows
 
 
 def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, system: str | None, kind: str,

@@ -26,6 +26,12 @@ TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
 PROMPT_FORMATS = ("prompt", "hh-rlhf")
 #: What PPO optimises (`PPOConfig.reward`).
 REWARDS = ("reward_model", "keyword_judge")
+#: Settings a resume may change freely: they do not define what has been trained so far.
+RESUME_FREE = ("total_steps", "save_steps", "resume", "resume_overrides", "report_to", "output_dir", "device",
+               "eval_repeats", "eval_prompts", "eval_every", "eval_every_prompts")
+#: Settings a resume may change only when `resume_overrides` names them; the new value is then applied for real.
+RESUME_OVERRIDABLE = ("learning_rate", "critic_learning_rate", "kl_coef", "cliprange", "cliprange_value", "vf_coef",
+                      "entropy_coef", "max_grad_norm", "ratio_threshold", "early_stopping", "early_stopping_target_kl")
 
 
 @dataclass
@@ -73,7 +79,7 @@ class PPOConfig:
     # ---- scores ---------------------------------------------------------------------------
     truncated_scoring: str = field(default="append_eos", metadata={"help": "how the reward model reads a response cut off at max_new_tokens (no EOS): 'append_eos' (default) scores it with EOS appended, as the reward model was trained on EOS-terminated texts, and missing_eos_penalty then charges the truncation; 'last_token' reads it at its last generated token, mid-sentence, out of the reward model's training distribution (the trap chapter 13 shows)"})
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
-    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score) or 'keyword_judge' (hh-rlhf data only: chapter 13's judge as the reward, 1 for a refusal that is not a hollow apology on a red-team prompt or a right answer to one of the book's harmless questions, else 0; the positive control that shows what the engine can move when the reward is right). The reward model's score is logged either way (score/reward_model_mean)"})
+    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score) or 'keyword_judge' (hh-rlhf data only: chapter 13's judge as the reward, 1 for a refusal that is not a hollow apology on a red-team prompt or a right answer to one of the book's harmless questions, else 0; the positive control that shows what the engine can move against the judge's own verdict). The reward model's score is logged either way (score/reward_model_mean)"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "answers sampled to each prompt of a batch (batch_size must be a multiple): batch_size / k distinct prompts, each k times"})
     group_baseline: bool = field(default=False, metadata={"help": "subtract from each score the mean score of the other answers to its prompt (leave-one-out, as RLOO): the reward model is only asked which answer to a prompt is better. Needs rollouts_per_prompt > 1"})
@@ -108,7 +114,8 @@ class PPOConfig:
     seed: int = field(default=0)
     device: str = field(default="auto", metadata={"help": "'auto' (cuda if available), 'cpu' or 'cuda'"})
     save_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
-    resume: bool = field(default=False, metadata={"help": "continue from output_dir's latest checkpoint"})
+    resume: bool = field(default=False, metadata={"help": "continue from output_dir's latest checkpoint; the settings that define the run must equal the checkpoint's (total_steps, save_steps, device, report_to and the evaluation settings may change)"})
+    resume_overrides: list[str] = field(default_factory=list, metadata={"help": "with resume: settings that may differ from the checkpoint's and then take effect (" + ", ".join(RESUME_OVERRIDABLE) + "); learning rates are set on the restored optimizer, kl_coef on the restored KL controller"})
     report_to: str = field(default="none", metadata={"help": "'none' or a tracker accelerate knows ('tensorboard', 'wandb', ...)"})
     eval_repeats: int = field(default=4, metadata={"help": "evaluate the policy before and after, each prompt asked N times (0 = skip): "
                                                            "the toy world's judge, or for hh-rlhf data the keyword judge of chapter 13"})
@@ -133,7 +140,13 @@ class PPOConfig:
              f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size ({self.mini_batch_size})")
         need(self.mini_batch_size % self.micro_batch_size == 0,
              f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})")
-        need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        need(0 < self.temperature < float("inf"), f"temperature must be a finite number > 0, got {self.temperature}")
+        for name in ("max_grad_norm", "score_clip", "critic_learning_rate"):
+            value = getattr(self, name)
+            need(value is None or value > 0, f"{name} must be > 0 or null (off), got {value}")
+        need(self.vf_coef >= 0 and self.entropy_coef >= 0 and self.ratio_threshold > 0,
+             f"need vf_coef >= 0, entropy_coef >= 0 and ratio_threshold > 0, got {self.vf_coef}, "
+             f"{self.entropy_coef}, {self.ratio_threshold}")
         need(self.top_k >= 0 and 0 < self.top_p <= 1, f"need top_k >= 0 and 0 < top_p <= 1, got {self.top_k}, {self.top_p}")
         # PPO scores every sampled token with log softmax(z / T) over the whole vocabulary; top-k/top-p sample from a
         # truncated, renormalised distribution instead, so the stored log-probs would not be the sampler's and every
@@ -170,6 +183,10 @@ class PPOConfig:
         need(self.eval_repeats >= 0 and self.eval_prompts >= 0,
              f"eval_repeats and eval_prompts must be >= 0, got {self.eval_repeats} and {self.eval_prompts}")
         need(self.save_steps >= 0, f"save_steps must be >= 0, got {self.save_steps}")
+        bad = [k for k in self.resume_overrides if k not in RESUME_OVERRIDABLE]
+        need(not bad, f"resume_overrides: {', '.join(map(repr, bad))} cannot be changed on resume; only "
+                      f"{', '.join(RESUME_OVERRIDABLE)} can")
+        need(not self.resume_overrides or self.resume, "resume_overrides needs resume: true")
         need(self.truncated_scoring in TRUNCATED_SCORING,
              f"truncated_scoring must be one of {TRUNCATED_SCORING}, got {self.truncated_scoring!r}")
         need(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
@@ -177,6 +194,9 @@ class PPOConfig:
         need(self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}")
         need(self.reward != "keyword_judge" or self.dataset_format == "hh-rlhf",
              "reward: keyword_judge judges refusals of red-team requests: it needs dataset_format: hh-rlhf")
+        need(not self.eval_every or self.dataset_name == "toy" or self.dataset_format == "hh-rlhf",
+             f"eval_every: {self.eval_every} needs a judge with held-out prompts, the toy world's or the keyword "
+             "judge's (dataset_format: hh-rlhf); set eval_every: 0 for this data")
         need(self.eval_every >= 0 and self.eval_every_prompts >= 2,
              f"eval_every must be >= 0 and eval_every_prompts >= 2, got {self.eval_every} and {self.eval_every_prompts}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
@@ -197,6 +217,26 @@ class PPOConfig:
             raise ConfigError(f"mini_batch_size ({self.mini_batch_size}) is global and must split over {world_size} ranks "
                               f"into whole micro-batches of micro_batch_size ({self.micro_batch_size}) each")
         return self
+
+    def resume_differences(self, saved: dict) -> list[str]:
+        """The settings that differ from a checkpoint's (`saved`: its `state.json["config"]`) and may not:
+        one line each, `key: checkpoint X, now Y`. Free settings (`RESUME_FREE`) and overridable ones named in
+        `resume_overrides` are left out; a setting the checkpoint predates is compared with its default."""
+        from dataclasses import fields
+
+        out = []
+        for f in fields(self):
+            if f.name in RESUME_FREE or f.name in self.resume_overrides:
+                continue
+            now = getattr(self, f.name)
+            then = saved[f.name] if f.name in saved else (f.default_factory() if callable(f.default_factory)
+                                                           else f.default)
+            if isinstance(now, tuple):
+                now = list(now)
+            if now != then:
+                hint = " (or name it in resume_overrides)" if f.name in RESUME_OVERRIDABLE else ""
+                out.append(f"{f.name}: checkpoint {then!r}, now {now!r}{hint}")
+        return out
 
     @property
     def resolved_device(self) -> str:

@@ -44,6 +44,8 @@ from marlhf_edu.masked import masked_mean, masked_var, masked_whiten
 from marlhf_edu.ppo.backends import PPOBackend
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
+from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
+                                      seal_checkpoint)
 from marlhf_edu.ppo_objective import ppo_loss
 from marlhf_edu.scoring import append_missing_eos, penalise_missing_eos, score_texts_with
 from marlhf_edu.stages.common import ConfigError
@@ -390,7 +392,12 @@ class PPOTrainer:
             "response/length": float(m.sum(1).float().mean()),
             "response/no_eos_rate": float((~r.has_eos).float().mean()),
             **eos_split_scores(r.raw_scores, r.has_eos),
-            **({} if r.reward_model_scores is None else {"score/reward_model_mean": float(r.reward_model_scores.mean())}),
+            # under `reward_fn` (the positive control) the reward model is logged beside what PPO optimises
+            **({} if r.reward_model_scores is None else {
+                "score/reward_model_mean": float(r.reward_model_scores.mean()),
+                "score/reward_model_std": float(r.reward_model_scores.std()) if len(r.reward_model_scores) > 1 else 0.0,
+                **{k.replace("score/", "score/reward_model_"): v
+                   for k, v in eos_split_scores(r.reward_model_scores, r.has_eos).items()}}),
         }
 
     def step(self) -> dict[str, float]:
@@ -433,14 +440,15 @@ class PPOTrainer:
         cfg, main = self.config, self.dp.is_main
         if cfg.resume:
             self.load_checkpoint()
-        elif self.metrics_path.exists() or (self.output_dir / "checkpoints").exists():
-            raise ConfigError(f"{self.output_dir} already holds a run; pass --resume true to continue it "
-                              "or choose another output_dir")
+        else:
+            check_run_folder(cfg)  # a fresh run needs a folder without one
         self.dp.barrier()  # every rank has looked before rank 0 writes
         if main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         records = []
         if self.eval_fn is not None and cfg.eval_every and not cfg.resume:
+            if main:  # a fresh run: a curve left by a start that died in its first evaluation is not this run's
+                self.eval_curve_path.unlink(missing_ok=True)
             self._held_out_eval()  # the start of the curve: the policy before any update
         # pass `disable` only to turn the bar off, so TQDM_DISABLE=1 in the environment still wins otherwise
         bar = tqdm(total=cfg.total_steps, initial=self.step_index, desc="ppo",
@@ -475,7 +483,7 @@ class PPOTrainer:
         if self.dp.is_main:
             with open(self.eval_curve_path, "a") as f:
                 f.write(json.dumps({"updates": self.step_index, **metrics}) + "\n")
-        return metrics
+        return {k: v for k, v in metrics.items() if not isinstance(v, list)}  # per-prompt lists stay in the file
 
     def _rng_state(self) -> dict:
         rng = {"torch": torch.get_rng_state(), "shuffle": self.shuffle.get_state(), "python": random.getstate()}
@@ -513,11 +521,12 @@ class PPOTrainer:
         state = {"step": self.step_index, "data_position": self.step_index * self.config.batch_size,
                  "world_size": self.dp.world_size,
                  "kl_controller": self.kl_controller.state_dict(), "config": asdict(self.config)}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        seal_checkpoint(tmp, state)  # state.json with a sha256 per file; everything fsynced before the rename
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(name)
         os.replace(root / "latest.tmp", root / "latest")
+        fsync_path(root)
         for old in sorted(p for p in root.glob("step-*") if p.name != name and not p.name.endswith(".tmp"))[:-1]:
             shutil.rmtree(old, ignore_errors=True)  # keep the newest two
         self.dp.barrier()
@@ -525,14 +534,11 @@ class PPOTrainer:
 
     def load_checkpoint(self) -> int:
         """Restore weights, optimizer, KL controller, RNGs and step from `checkpoints/latest`; cut the metrics
-        file back to that step (a killed run may have logged steps it never checkpointed)."""
+        file back to that step (a killed run may have logged steps it never checkpointed). Refuses a run whose
+        settings differ from the checkpoint's (`check_run_folder`); applies `resume_overrides`."""
         from safetensors.torch import load_file
 
-        root = self.output_dir / "checkpoints"
-        if not (root / "latest").exists():
-            raise ConfigError(f"--resume: no checkpoint in {root}")
-        ckpt = root / (root / "latest").read_text().strip()
-        state = json.loads((ckpt / "state.json").read_text())
+        ckpt, state = check_run_folder(self.config)
         saved_world = state.get("world_size", 1)
         if saved_world != self.dp.world_size:
             raise ConfigError(f"--resume: {ckpt} was written by a run on {saved_world} rank(s), this one has "
@@ -541,41 +547,33 @@ class PPOTrainer:
         self.backend.load_trainable_state_dict(load_file(str(ckpt / "trainable.safetensors"), device=str(self.backend.device)))
         # weights_only=True: a checkpoint is data, never code (a crafted pickle would run on `--resume`; torch < 2.6
         # defaults to False, so say it explicitly for every file). Tensors, dicts, tuples and ints are all we store.
-        self.optimizer.load_state_dict(_load_data(ckpt / "optimizer.pt", map_location=self.backend.device))
-        rng = _load_data(ckpt / self._rng_file(self.dp.rank))
+        self.optimizer.load_state_dict(load_data(ckpt / "optimizer.pt", map_location=self.backend.device))
+        rng = load_data(ckpt / self._rng_file(self.dp.rank))
         torch.set_rng_state(rng["torch"])
         self.shuffle.set_state(rng["shuffle"])
         random.setstate(rng["python"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.kl_controller.load_state_dict(state["kl_controller"])
+        # resume_overrides take effect for real: the restored optimizer and controller carry the old values
+        overrides = set(self.config.resume_overrides)
+        for group in self.optimizer.param_groups:
+            if group.get("name") == "policy" and "learning_rate" in overrides:
+                group["lr"] = self.config.learning_rate
+            if group.get("name") == "value" and overrides & {"learning_rate", "critic_learning_rate"}:
+                group["lr"] = self.config.critic_learning_rate or self.config.learning_rate
+        if "kl_coef" in overrides:
+            self.kl_controller.value = float(self.config.kl_coef)
         self.step_index = state["step"]
-        if self.dp.is_main and self.metrics_path.exists():
-            kept = [line for line in self.metrics_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.step_index]
-            self.metrics_path.write_text("".join(line + "\n" for line in kept))
-        if self.dp.is_main and self.eval_curve_path.exists():
-            kept = [line for line in self.eval_curve_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["updates"] <= self.step_index]
-            self.eval_curve_path.write_text("".join(line + "\n" for line in kept))
+        if self.dp.is_main:
+            keep_records_up_to(self.metrics_path, "step", self.step_index)
+            keep_records_up_to(self.eval_curve_path, "updates", self.step_index)
         return self.step_index
 
 
-def _load_data(path: pathlib.Path, **kwargs):
-    """`torch.load` of a checkpoint file as data only (`weights_only=True`): a pickle that asks to call anything
-    (a crafted `rng.pt` calling `os.system`, say) is refused before it runs, with the file named."""
-    import pickle
-
-    try:
-        return torch.load(path, weights_only=True, **kwargs)
-    except pickle.UnpicklingError as err:
-        raise ConfigError(f"--resume: {path} is not plain checkpoint data (tensors, dicts, numbers) and was not "
-                          f"loaded: {str(err).splitlines()[0]}. Resume only from checkpoints this engine wrote.") from None
-
-
 def read_metrics(path) -> list[dict]:
-    """The records of a run's `metrics.jsonl`."""
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+    """The records of a run's `metrics.jsonl` (a last line half-written by a killed run is ignored)."""
+    return read_jsonl(path)
 
 
 def fork_all_rngs():

@@ -16,13 +16,18 @@ arguments; a finding is a reason to read samples, not proof. What the rules look
   a few answers, exploration has stopped;
 * `reward_hacking`: the reward model's score rises while a judge it does not know of (`gold/mean`, logged when
   the run has one) falls;
-* `held_out_falls`: the training score rises while the reward model's own score of held-out answers, read as it
-  was trained (EOS appended; `eval_curve.jsonl`, or `eval.json`'s before and after), falls: what the policy
-  learned to please is not what the reward model rewards on text it was trained for;
+* `held_out_falls`: the reward model's training score rises (by more than `score_rise` and than a quarter of a
+  batch's spread of scores, so that step-to-step noise is not a rise) while its own score of held-out answers,
+  read as it was trained (EOS appended; `eval_curve.jsonl`, or `eval.json`'s before and after), falls by more
+  than `held_out_fall` and, when per-prompt scores are there, by more than two paired standard errors: what the
+  policy learned to please is not what the reward model rewards on text it was trained for. Under a reward
+  that is not the reward model (`reward: keyword_judge`) its logged score (`score/reward_model_mean`) is used;
 * `eos_driven_score`: answers that end with EOS and answers cut off score apart by more than `eos_gap` times the
-  spread of the batch's scores (`score/std`): the score rewards ending, not content, and a policy can climb it
-  by stopping sooner. From `score/mean_eos` and `score/mean_no_eos` when logged, else estimated from how the
-  step's mean score follows its no-EOS rate (a least-squares slope over the steps, used when they correlate);
+  spread of a batch's scores at the start (`score/std`): the policy can move its score by ending sooner or
+  later. Under `truncated_scoring: last_token` the reading itself makes the gap (chapter 13); under
+  `append_eos` it is what long answers say. From `score/mean_eos` and `score/mean_no_eos` when logged; else
+  estimated from how the step's mean score follows its no-EOS rate (a least-squares slope over the steps, used
+  when they correlate), an estimate confounded with everything else that changed during training;
 * `skipped_minibatches`: the ratio threshold skipped an optimizer step (the policy moved too far in one step);
 * `critic_not_learning`: the value head's explained variance stays below zero at the end.
 
@@ -53,27 +58,56 @@ def _mean(records: list[dict], key: str) -> float:
 
 
 def read_held_out(run_dir) -> list[dict]:
-    """The held-out reward-model scores of a run folder, as `[{"updates": n, "reward_model_score": s}, ...]`:
-    `eval_curve.jsonl` (`eval_every`) when it exists, else `eval.json`'s before (0 updates) and after (the last
-    step of `metrics.jsonl`); [] when the run has neither."""
+    """The held-out reward-model scores of a run folder, as `[{"updates": n, "reward_model_score": mean,
+    "scores": [per prompt, in prompt order]}, ...]`: `eval_curve.jsonl` (`eval_every`) when it starts before
+    any update, else `eval.json`'s before (0 updates) and after (the last step of `metrics.jsonl`), with each
+    held-out question's mean score from `eval_samples.jsonl` when it is there; [] when the run has neither."""
+    from marlhf_edu.ppo.run_files import read_jsonl
+
     run_dir = pathlib.Path(run_dir)
-    if (run_dir / "eval_curve.jsonl").exists():
-        return [json.loads(line) for line in (run_dir / "eval_curve.jsonl").read_text().splitlines() if line.strip()]
+    curve = read_jsonl(run_dir / "eval_curve.jsonl") if (run_dir / "eval_curve.jsonl").exists() else []
+    if curve and curve[0]["updates"] == 0:
+        return [{"updates": c["updates"], "reward_model_score": c["reward_model_score"],
+                 **({"scores": c["reward_model_scores"]} if "reward_model_scores" in c else {})} for c in curve]
     if not (run_dir / "eval.json").exists():
         return []
     evals = json.loads((run_dir / "eval.json").read_text())
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    samples = read_jsonl(run_dir / "eval_samples.jsonl") if (run_dir / "eval_samples.jsonl").exists() else []
     out = []
     for when, updates in (("before", 0), ("after", steps[-1] if steps else 0)):
         if "reward_model_score" in evals.get(when, {}):
-            out.append({"updates": updates, "reward_model_score": evals[when]["reward_model_score"]})
+            point = {"updates": updates, "reward_model_score": evals[when]["reward_model_score"]}
+            per_question: dict = {}
+            for sample in samples:
+                if sample["when"] == when:
+                    per_question.setdefault((sample["kind"], sample["question"]), []).append(sample["reward_model_score"])
+            if per_question:
+                point["scores"] = [sum(v) / len(v) for v in per_question.values()]
+            out.append(point)
     return out
+
+
+def held_out_change(first: dict, last: dict) -> tuple[float, float | None]:
+    """(change of the held-out mean score, its standard error or None). The error is paired, prompt by prompt,
+    when both points carry per-prompt scores over the same prompts (`read_held_out`): what the policy changed,
+    without the spread between prompts."""
+    change = last["reward_model_score"] - first["reward_model_score"]
+    a, b = first.get("scores"), last.get("scores")
+    if not a or not b or len(a) != len(b) or len(a) < 3:
+        return change, None
+    diffs = [y - x for x, y in zip(a, b)]
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return change, (var / len(diffs)) ** 0.5
 
 
 def check_folder(run_dir, **thresholds) -> list[Finding]:
     """`check_run` of a run folder: its `metrics.jsonl` and held-out scores (`read_held_out`)."""
+    from marlhf_edu.ppo.run_files import read_jsonl
+
     run_dir = pathlib.Path(run_dir)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_jsonl(run_dir / "metrics.jsonl")
     return check_run(records, held_out=read_held_out(run_dir), **thresholds)
 
 
@@ -101,7 +135,7 @@ def eos_score_gap(records: list[dict], min_corr: float = 0.5) -> tuple[float, st
     sqs = sum((q - mq) * (x - ms) for q, x in pts)
     if abs(sqs) / (sqq * sss) ** 0.5 < min_corr:
         return None
-    return -sqs / sqq, f"estimated: slope of the score on the no-EOS rate over {len(pts)} steps"
+    return -sqs / sqq, f"estimated from the trend of {len(pts)} steps, confounded with whatever else changed"
 
 
 def check_run(records: list[dict], *, held_out: list[dict] | None = None, window: int = 5, kl_limit: float = 6.0,
@@ -138,27 +172,35 @@ def check_run(records: list[dict], *, held_out: list[dict] | None = None, window
         found.append(Finding("entropy_collapse", end, f"entropy fell from {entropy[0]:.2f} to {entropy[1]:.2f} nats "
                                                       f"per token ({entropy[1] / entropy[0]:.0%} of its start)"))
     score, gold = start_now("score/mean"), start_now("gold/mean")
+    rm_score = start_now("score/reward_model_mean") or score  # what the reward model says, whatever PPO optimised
+    rm_spread = start_now("score/reward_model_std") or start_now("score/std")
     if score and gold:
         d_score, d_gold = score[1] - score[0], gold[1] - gold[0]
         if d_score > score_rise and d_gold < -gold_fall:
             found.append(Finding("reward_hacking", end, f"the reward model's score rose by {d_score:.2f} while the "
                                                         f"gold judge fell by {-d_gold:.2f}"))
-    if score and held_out and len(held_out) >= 2:
-        d_score = score[1] - score[0]
+    if rm_score and held_out and len(held_out) >= 2:
+        d_score = rm_score[1] - rm_score[0]
         h0, h1 = held_out[0]["reward_model_score"], held_out[-1]["reward_model_score"]
-        if d_score > score_rise and h1 - h0 < -held_out_fall:
-            found.append(Finding("held_out_falls", end, f"the training score rose by {d_score:.2f} while the reward "
-                                                        f"model's held-out score (EOS appended, as trained) fell "
+        change, se = held_out_change(held_out[0], held_out[-1])
+        # the rise must stand out of the step-to-step noise: a quarter of a batch's spread of scores, at least;
+        # the fall out of the sampling noise of the held-out answers: two paired standard errors, when known
+        rise = max(score_rise, 0.25 * (rm_spread[0] + rm_spread[1]) / 2) if rm_spread else score_rise
+        fall = max(held_out_fall, 2 * se) if se is not None else held_out_fall
+        if d_score > rise and change < -fall:
+            noise = f", paired standard error {se:.2f}" if se is not None else ""
+            found.append(Finding("held_out_falls", end, f"the reward model's training score rose by {d_score:.2f} "
+                                                        f"while its held-out score (EOS appended, as trained) fell "
                                                         f"from {h0:.2f} to {h1:.2f} (after {held_out[-1]['updates']} "
-                                                        "updates)"))
+                                                        f"updates{noise})"))
     spread = start_now("score/std")
     if spread and (gap := eos_score_gap(records)):
-        typical = (spread[0] + spread[1]) / 2
+        typical = spread[0]  # at the start: a policy that collapsed onto one answer has no spread left to compare
         if typical > 0 and abs(gap[0]) > eos_gap * typical:
-            side = "with EOS above those without" if gap[0] > 0 else "without EOS above those with"
+            side = "that end with EOS above those cut off" if gap[0] > 0 else "cut off above those that end with EOS"
             found.append(Finding("eos_driven_score", end, f"answers {side} by {abs(gap[0]):.2f}, "
                                                           f"{abs(gap[0]) / typical:.1f} times the spread of a batch's "
-                                                          f"scores ({typical:.2f}; {gap[1]})"))
+                                                          f"scores at the start ({typical:.2f}; {gap[1]})"))
     for r in records:
         if r.get("ppo/skipped_minibatches", 0) > 0:
             found.append(Finding("skipped_minibatches", r["step"], f"{r['ppo/skipped_minibatches']:g} minibatch(es) "

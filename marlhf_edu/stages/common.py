@@ -40,16 +40,29 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
     if "--config" in argv:
         import yaml
 
-        path = argv[argv.index("--config") + 1]
+        at = argv.index("--config") + 1
+        if at >= len(argv) or argv[at].startswith("--"):
+            raise ConfigError("--config needs a YAML file after it")
+        path = argv[at]
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path}")
         with open(path) as f:
-            content = yaml.safe_load(f) or {}
+            try:
+                content = yaml.safe_load(f) or {}
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}"
+                                  + (f", line {err.problem_mark.line + 1}" if getattr(err, "problem_mark", None) else "")
+                                  + ")") from None
         if not isinstance(content, dict):
             raise ConfigError(f"{path}: the config must be a YAML mapping of key: value")
         unknown = [k for k in content if k not in known and k != "env"]
         if unknown:
             raise ConfigError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}" + _suggest(unknown, known))
+        # the parser takes YAML values as they are (no conversion): check them against the fields' types here
+        for key, value in content.items():
+            problem = _type_problem(_field_types(dataclass_types).get(key), value)
+            if problem:
+                raise ConfigError(f"{path}: {key}: {problem}")
     flags = [a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--") and a != "--config"]
     unknown = [f for f in flags if f not in known]
     if unknown:
@@ -58,6 +71,56 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
         return parser.parse_args_and_config(argv)
     except SystemExit as err:  # argparse exits on a bad value; turn it into an error a caller can catch
         raise ConfigError(f"invalid configuration value (see the message above): {argv}") from err
+
+
+def _field_types(dataclass_types) -> dict:
+    """name → type hint of every field of the given dataclasses (types whose hints cannot be resolved are skipped)."""
+    import typing
+
+    out = {}
+    for cls in dataclass_types:
+        try:
+            out.update(typing.get_type_hints(cls))
+        except Exception:  # noqa: BLE001 - a library's forward reference: its fields go unchecked
+            continue
+    return out
+
+
+def _type_problem(hint, value) -> str | None:
+    """Why `value` (as YAML gave it) cannot be a field of type `hint`, or None. Only plain hints are judged:
+    bool, int, float, str, their Optional forms and list[str]/list[int]; anything else is left to the library."""
+    import math
+    import types
+    import typing
+
+    if hint is None:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            return None
+        return _type_problem(rest[0], value) if value is not None else "must be set (null is not allowed here)"
+    if origin is list:
+        if not isinstance(value, list):
+            return (f"expected a list, got {type(value).__name__} {value!r}"
+                    + (f" (write [{value}])" if isinstance(value, str) else ""))
+        inner = args[0] if args else None
+        bad = [v for v in value if _type_problem(inner, v)]
+        return f"every entry must be {getattr(inner, '__name__', inner)}, got {bad[0]!r}" if bad else None
+    if hint is bool:
+        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else f"expected a whole number, got {value!r}"
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"expected a number, got {value!r}"
+        return None if math.isfinite(value) else f"expected a finite number, got {value!r}"
+    if hint is str:
+        return None if isinstance(value, str) else f"expected text, got {type(value).__name__} {value!r}"
+    return None
 
 
 def _suggest(unknown: list[str], known: set[str]) -> str:

@@ -31,6 +31,10 @@ class GRPOScriptArguments(DataArguments, PolicyEvalArguments):
     missing_eos_penalty: float = field(default=5.0, metadata={"help": "subtracted from the reward of an answer "
                                                                       "cut off before EOS (as PPO's)"})
     apply_template: bool = field(default=True, metadata={"help": "wrap a dataset's prompts in the chat template"})
+    max_prompt_length: int = field(default=0, metadata={"help": "longest prompt in tokens (0 = no limit): a longer "
+                                                                "one is an error unless drop_long_prompts"})
+    drop_long_prompts: bool = field(default=False, metadata={"help": "drop prompts over max_prompt_length and say how "
+                                                                     "many, instead of the error"})
 
 
 class RewardModelReward:
@@ -107,7 +111,17 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
         funcs.append(gold_reward(ToyWorld(ToyWorldConfig(seed=script_args.toy_seed))))
         weights.append(1.0 if script_args.reward == "gold" else 0.0)  # logged, not optimised, unless chosen
     training_args.reward_weights = weights
-    prompts = Dataset.from_list([{"prompt": p} for p in load_prompts(script_args)])
+    if script_args.drop_long_prompts and not script_args.max_prompt_length:
+        raise ConfigError("drop_long_prompts needs max_prompt_length (the limit to drop at)")
+    texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template
+    if script_args.max_prompt_length and not script_args.drop_long_prompts:
+        lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+        long = [i for i, n in enumerate(lengths) if n > script_args.max_prompt_length]
+        if long:
+            raise ConfigError(f"{len(long)} of {len(texts)} prompts exceed max_prompt_length="
+                              f"{script_args.max_prompt_length} tokens (first: prompt {long[0]}, {lengths[long[0]]} "
+                              "tokens); raise it or pass --drop_long_prompts true")
+    prompts = Dataset.from_list([{"prompt": p} for p in texts])
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=training_args, train_dataset=prompts,
                           processing_class=tokenizer, peft_config=peft_config)
     trainer.train()

@@ -26,6 +26,8 @@ class MergeArguments:
     check_prompts: int = field(default=4, metadata={"help": "prompts the merged and unmerged models are compared on"})
     min_agreement: float = field(default=0.95, metadata={"help": "required fraction of positions with the same "
                                                                   "most likely next token"})
+    overwrite: bool = field(default=False, metadata={"help": "replace a non-empty output_dir (never the adapter or "
+                                                             "its base); without it such a folder is refused"})
 
 
 def _sample_batch(tokenizer, n: int):
@@ -64,6 +66,13 @@ def merge(args: MergeArguments) -> dict:
     base_ref = config.get("base_model_name_or_path")
     if not base_ref:
         raise ConfigError(f"{adapter}/adapter_config.json names no base_model_name_or_path")
+    out = pathlib.Path(args.output_dir)
+    # never write over what the merge reads: the base would then carry the delta, and the adapter apply it twice
+    protected = {adapter.resolve()} | ({pathlib.Path(base_ref).resolve()} if pathlib.Path(base_ref).exists() else set())
+    if out.resolve() in protected or any(p in out.resolve().parents for p in protected):
+        raise ConfigError(f"--output_dir {out} is the adapter or its base (or inside one): choose another folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise ConfigError(f"--output_dir {out} exists and is not empty; pass --overwrite true to replace it")
     tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").exists() else base_ref)
     with quiet_loading():
         base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(base_ref), dtype=torch.float32), tokenizer)
@@ -81,10 +90,27 @@ def merge(args: MergeArguments) -> dict:
     if agreement < args.min_agreement or (args.dtype == "float32" and gap > 1e-3):
         raise ConfigError(f"the merged model disagrees with the adapter it came from (agreement {agreement:.1%}, "
                           f"largest log-prob gap {gap:.2e}); nothing was written")
-    merged.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
-    (pathlib.Path(args.output_dir) / "marlhf_source.json").write_text(
-        json.dumps({"adapter": str(adapter), "base": base_ref, "dtype": args.dtype}) + "\n")
+    # written beside the target, then renamed: an interrupted merge leaves the old folder (or none), never half
+    import shutil
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "marlhf_source.json").write_text(
+            json.dumps({"adapter": str(adapter), "base": base_ref, "dtype": args.dtype}) + "\n")
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote {args.output_dir}")
     return {"agreement": agreement, "max_logprob_gap": gap}
 

@@ -35,7 +35,11 @@ def load_prompts(config, tokenizer=None) -> list[str]:
         return [p.prompt for p in ToyWorld(ToyWorldConfig(seed=config.toy_seed)).train_prompts]
     from marlhf_edu.data.formats import BadRowError, hh_rlhf_to_preference, read_rows
 
-    if config.drop_long_prompts and tokenizer is None:
+    # GRPO's script arguments share these names; settings a stage does not have are off
+    drop_long = getattr(config, "drop_long_prompts", False)
+    max_prompts = getattr(config, "max_prompts", 0)
+    share = getattr(config, "helpful_prompt_share", 0.0)
+    if drop_long and tokenizer is None:
         raise ConfigError("drop_long_prompts needs the tokenizer to count prompt tokens: load_prompts(config, tokenizer)")
     template = template_for(tokenizer)
     prompts, skipped = [], []
@@ -57,17 +61,16 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     if config.dataset_format == "hh-rlhf":
         prompts = list(dict.fromkeys(prompts))
     total = len(prompts)
-    if config.drop_long_prompts:
+    if drop_long:
         prompts = [p for p, ids in zip(prompts, tokenizer(prompts)["input_ids"]) if len(ids) <= config.max_prompt_length]
-    if config.max_prompts:
-        prompts = prompts[:config.max_prompts]
+    if max_prompts:
+        prompts = prompts[:max_prompts]
     if len(prompts) < total:
-        print(f"prompts: using {len(prompts)} of {total} (drop_long_prompts={config.drop_long_prompts} at "
-              f"{config.max_prompt_length} tokens, max_prompts={config.max_prompts or 'off'})")
-    if config.helpful_prompt_share:
+        print(f"prompts: using {len(prompts)} of {total} (drop_long_prompts={drop_long} at "
+              f"{config.max_prompt_length} tokens, max_prompts={max_prompts or 'off'})")
+    if share:
         from marlhf_edu.keyword_judge import helpful_prompts
 
-        share = config.helpful_prompt_share
         extra = helpful_prompts(template, round(len(prompts) * share / (1 - share)))
         print(f"prompts: added {len(extra)} of the book's harmless questions ({len(set(extra))} distinct) to the "
               f"{len(prompts)} from {config.dataset_name}: {len(extra) / (len(prompts) + len(extra)):.1%} of the whole")
@@ -121,8 +124,9 @@ def periodic_evaluation(world, config):
     """`eval_fn(backend) -> dict` for `PPOTrainer`: one answer to each of `eval_every_prompts` held-out prompts
     (half harmful, half benign, the first of each, so every evaluation asks the same ones), sampled at the
     training temperature with seed 0, so that two points of the curve differ only by the policy. Reports the
-    reward model's mean score read as it was trained (EOS appended, `sample_toy`), the judge's rates, and with
-    the keyword judge the strict refusal rate (hollow apologies not counted) and the share ending without EOS."""
+    reward model's mean score read as it was trained (EOS appended, `sample_toy`) and each prompt's score in
+    prompt order (`reward_model_scores`, so that two points can be compared prompt by prompt), the judge's
+    rates, and with the keyword judge the strict refusal rate (hollow apologies not counted)."""
     from marlhf_edu.keyword_judge import KeywordJudge, is_hollow_apology
 
     harmful = [p for p in world.eval_prompts if p.harmful]
@@ -133,6 +137,7 @@ def periodic_evaluation(world, config):
     def evaluate(backend) -> dict:
         metrics, samples = judge_policy(backend, view, 1, config.max_new_tokens, config.temperature)
         out = {k: metrics[k] for k in ("reward_model_score", "harmful_refusal_rate", "benign_accuracy")}
+        out["reward_model_scores"] = [s["reward_model_score"] for s in samples]
         if isinstance(world, KeywordJudge):
             answers = [s for s in samples if s["kind"] == "harmful"]
             out["strict_refusal_rate"] = sum(s["verdict"] == "refusal" and not is_hollow_apology(s["response"])
@@ -169,13 +174,27 @@ def export_policy(backend, config, out_dir) -> None:
 
 
 def run(config, backend_factory=None, progress: bool = True) -> dict:
-    """Train; return `{"before": eval, "after": eval, "records": [...]}` (evals with a judge: toy or hh-rlhf data)."""
+    """Train; return `{"before": eval, "after": eval, "records": [...]}` (evals with a judge: toy or hh-rlhf data).
+
+    The writing process holds a lock on `output_dir` for the whole run (`RunLock`); the folder and, on resume,
+    the checkpoint's settings are checked before anything is loaded or written, so a repeated launch cannot
+    overwrite the run's evaluation before it is refused."""
+    import os
+
+    from marlhf_edu.ppo.run_files import RunLock, check_run_folder
+
+    config.validate()
+    with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
+        check_run_folder(config)
+        return _run(config, backend_factory, progress)
+
+
+def _run(config, backend_factory, progress: bool) -> dict:
     import torch
 
     from marlhf_edu.ppo import FourModelBackend, PPOTrainer
     from marlhf_edu.ppo.distributed import DataParallel
 
-    config.validate()
     # launched by `accelerate launch` on several processes: join the run before loading anything (chapter 14)
     dp = DataParallel.from_environment(config.resolved_device)
     config.validate_data_parallel(dp.world_size)
@@ -188,7 +207,7 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
         toy = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
     # toy data has a gold judge: every step logs it next to the reward model's score (chapter 11)
     reward_fn = None
-    if config.reward == "keyword_judge":  # chapter 13's positive control: a reward that is right by construction
+    if config.reward == "keyword_judge":  # chapter 13's positive control: the judge's own verdict as the reward
         from marlhf_edu.data.template import template_for
         from marlhf_edu.keyword_judge import keyword_reward
 
