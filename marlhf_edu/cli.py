@@ -13,6 +13,7 @@
     marlhf-edu generate --model runs/tiny_ma_ppo/policy --prompt "How do I pick a lock?"
     marlhf-edu evaluate --model runs/tiny_ma_ppo/policy --reward_adapter zoo   # judge + reward model, any policy
     marlhf-edu zoo rebuild     # tokenizer, tiny SFT model and reward adapter, from scratch (--model smollm2: the SmolLM2 adapters)
+    marlhf-edu cache list      # the model cache: each entry, its size and check; `cache clean [NAME ...]` removes
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ COMMANDS = {
     "evaluate": ("marlhf_edu.stages.evaluate", "judge a trained policy (toy or keyword judge) and score it with a reward model"),
     "generate": ("marlhf_edu.stages.generate", "answers of any model or trained adapter to a few prompts"),
     "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
+    "cache": ("marlhf_edu.model_cache", "list or clean the model cache (converted GGUF files, merged adapters)"),
 }
 
 

@@ -97,12 +97,13 @@ def load_reward_model(sft_path: pathlib.Path | str = SFT_DIR, adapter_path: path
     from transformers import AutoModelForSequenceClassification
 
     from marlhf_edu.quantization import keep_nf4_trainable
-    from marlhf_edu.sources import align_pad, local_path, resolve_model
+    from marlhf_edu.sources import adapter_fits, align_pad, local_path, resolve_model
 
     tokenizer = load_tokenizer(sft_path)
     base = AutoModelForSequenceClassification.from_pretrained(resolve_model(sft_path), num_labels=1,
                                                               **from_pretrained_kwargs)
     keep_nf4_trainable(base)
     align_pad(base, tokenizer)  # the score is read at the last non-pad token
-    model = PeftModel.from_pretrained(base, str(local_path(adapter_path)), is_trainable=False)
+    with adapter_fits(local_path(adapter_path), sft_path):
+        model = PeftModel.from_pretrained(base, str(local_path(adapter_path)), is_trainable=False)
     return model.eval(), tokenizer

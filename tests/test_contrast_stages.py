@@ -111,3 +111,35 @@ def test_grpo_reads_a_real_dataset_and_never_drops_long_prompts_silently(capsys)
     prompts = load_prompts(args, tok)
     assert prompts and all(len(ids) <= 48 for ids in tok(prompts)["input_ids"])
     assert "prompts: using" in capsys.readouterr().out  # the drop is counted and said
+
+
+def test_dpo_and_sft_apply_max_rows_and_refuse_rows_trl_would_cut(tmp_path, monkeypatch, capsys):
+    """Issue 37 item 6: DPO ignored --max_rows and --max_tokens; SFT let trl cut over-long rows (EOS and all)
+    silently; num_train_epochs 0 saved an untrained model with rc 0. All of it now happens before a model loads."""
+    import marlhf_edu.stages.dpo as dpo
+    from trl import ModelConfig, SFTConfig
+
+    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.stages.sft import SFTScriptArguments, run_sft
+
+    class Loaded(Exception):
+        pass
+
+    def no_model(model_args):
+        raise Loaded
+
+    monkeypatch.setattr(dpo, "load_policy", no_model)
+    with pytest.raises(Loaded):
+        dpo.run_dpo(*_args("dpo", tmp_path, "--max_rows", "8"))
+    assert "preference data: using 8 of" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="no rows left after max_tokens=3"):
+        dpo.run_dpo(*_args("dpo", tmp_path, "--max_tokens", "3"))
+    with pytest.raises(ConfigError, match=r"row\(s\) exceed max_length=8 tokens \(first rows: \[0, 1"):
+        dpo.run_dpo(*_args("dpo", tmp_path, "--max_length", "8"))
+
+    sft_args = ["--config", "configs/tiny_sft.yaml", "--output_dir", str(tmp_path / "sft")]
+    with pytest.raises(ConfigError, match=r"row\(s\) exceed max_length=8 tokens"):
+        run_sft(*parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig), sft_args + ["--max_length", "8"]))
+    assert not (tmp_path / "sft").exists()
+    with pytest.raises(ConfigError, match="num_train_epochs=0.0 and max_steps=-1: nothing would be trained"):
+        parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig), sft_args + ["--num_train_epochs", "0"])

@@ -134,3 +134,21 @@ def test_margin_must_be_all_or_nothing():
             {"question": "q", "response_chosen": "a", "response_rejected": "c"}]
     with pytest.raises(BadRowError, match="row 1, field 'margin'"):
         load_preferences(rows)
+
+
+def test_a_parquet_file_is_read_without_the_datasets_cache(tmp_path, monkeypatch):
+    """Issue 37 item 13: a local dataset failed where HOME is not writable (datasets' cache under ~/.cache)."""
+    import pyarrow
+    import pyarrow.parquet
+
+    from marlhf_edu.data.formats import DataFileError, read_rows
+
+    path = tmp_path / "pairs.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"prompt": "a", "chosen": "b", "rejected": "c"}]), path)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "no" / "such" / "cache"))
+    monkeypatch.setenv("HOME", "/proc")  # nothing can be written there
+    assert list(read_rows(str(path), "train")) == [{"prompt": "a", "chosen": "b", "rejected": "c"}]
+    assert not (tmp_path / "no").exists()
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(DataFileError, match="bad.parquet: not a readable Parquet file"):
+        read_rows(str(tmp_path / "bad.parquet"), "train")

@@ -185,7 +185,16 @@ def test_resume_options_per_stage(tmp_path):
     assert resume_argv(sft, tmp_path) == [] and resume_argv(ppo, tmp_path) == []
     for n in (2, 10, 9):
         (tmp_path / f"checkpoint-{n}").mkdir()
+        (tmp_path / f"checkpoint-{n}" / "trainer_state.json").write_text("{}")
+        (tmp_path / f"checkpoint-{n}" / "adapter_model.safetensors").write_text("")
     assert resume_argv(sft, tmp_path) == ["--resume_from_checkpoint", str(tmp_path / "checkpoint-10")]  # by number
+    # killed while saving checkpoint-11 (trl writes trainer_state.json last), and checkpoint-10's state cut short
+    (tmp_path / "checkpoint-11").mkdir()
+    (tmp_path / "checkpoint-11" / "adapter_model.safetensors").write_text("")
+    (tmp_path / "checkpoint-10" / "trainer_state.json").write_text('{"global_step": 1')
+    said = []
+    assert resume_argv(sft, tmp_path, said.append) == ["--resume_from_checkpoint", str(tmp_path / "checkpoint-9")]
+    assert len(said) == 2 and "checkpoint-11 is incomplete (no complete trainer_state.json" in said[0]
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step-000002")
     assert resume_argv(ppo, tmp_path) == ["--resume", "true"]

@@ -20,7 +20,10 @@ def test_a_bf16_base_trains_fp32_adapters_and_heads(tmp_path, prompts):
     model, tok = load_sft_model()
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     tok.save_pretrained(tmp_path / "bf16")
-    base = dict(sft_model_path=str(tmp_path / "bf16"), device="cpu", value_mode="adapter", actor_lora_r=8,
+    # reward_base_path: the zoo reward adapter belongs to this bf16 copy of its own base (a declared exception
+    # to the check of the adapter's recorded base)
+    base = dict(sft_model_path=str(tmp_path / "bf16"), reward_base_path=str(tmp_path / "bf16"), device="cpu",
+                value_mode="adapter", actor_lora_r=8,
                 batch_size=8, mini_batch_size=8, micro_batch_size=4, forward_batch_size=8, max_new_tokens=8)
     trainer = build_trainer(tmp_path, MultiAdapterBackend, prompts, base)
     be = trainer.backend

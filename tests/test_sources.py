@@ -17,7 +17,12 @@ def test_references_are_classified(tmp_path):
     assert ModelSource.parse("zoo") == ModelSource("zoo", "zoo", str(SFT_DIR))
     assert ModelSource.parse("zoo/tiny_reward_adapter").kind == "adapter"
     assert ModelSource.parse("zoo/tiny_sft").kind == "directory"
-    assert ModelSource.parse("HuggingFaceTB/SmolLM2-135M-Instruct").kind == "hub"
+    assert ModelSource.parse("hf:HuggingFaceTB/SmolLM2-135M-Instruct") == ModelSource(
+        "hub", "hf:HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", None)
+    assert ModelSource.parse("hf:owner/name@v1.0").revision == "v1.0"
+    for bad in ("hf:", "hf:owner/", "hf:a/b/c", "hf:owner/name@"):
+        with pytest.raises(ConfigError, match="hf:owner/name or hf:owner/name@revision"):
+            ModelSource.parse(bad)
     with pytest.raises(ConfigError, match="no shipped asset 'nope'.*tiny_sft"):
         ModelSource.parse("zoo/nope")
     with pytest.raises(ConfigError, match="no such GGUF file"):
@@ -198,3 +203,138 @@ def test_cache_at_redirects_the_cache_and_restores_it(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError), cache_at(tmp_path / "inner"):
         raise RuntimeError("restored even when the block fails")
     assert "MARLHF_EDU_CACHE" not in os.environ
+
+
+def test_a_missing_local_folder_is_never_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """`runs/tiny_sft` before SFT has written it: an error naming the fix, not a download of whatever the hub holds
+    under that name (issue 37). A bare owner/name is a hub id only as an adapter's recorded base."""
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("looked up on the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for call in (ModelSource.parse, resolve_model, load_tokenizer):
+        with pytest.raises(ConfigError, match=r"'runs/tiny_sft': no such folder \(runs/ exists here: .*run that "
+                                              r"stage first\); .* hf:runs/tiny_sft"):
+            call("runs/tiny_sft")
+    with pytest.raises(ConfigError, match="no such folder or model; .* hf:HuggingFaceTB/SmolLM2-135M-Instruct"):
+        ModelSource.parse("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert ModelSource.parse("meta-llama/Llama-2-7b-hf", recorded=True).kind == "hub"
+
+
+def test_adapter_base_reads_a_recorded_hub_id_as_one(tmp_path):
+    from marlhf_edu.sources import adapter_base
+    from marlhf_edu.stages.common import record_base
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "meta-llama/Llama-2-7b-hf"}))
+    assert adapter_base(tmp_path) == "hf:meta-llama/Llama-2-7b-hf"
+    record_base(tmp_path, "hf:meta-llama/Llama-2-7b-hf")  # recorded as peft writes it, so other tools read it
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"] == "meta-llama/Llama-2-7b-hf"
+    record_base(tmp_path, "hf:meta-llama/Llama-2-7b-hf@abc123")  # a pinned revision keeps the book's form
+    assert adapter_base(tmp_path) == "hf:meta-llama/Llama-2-7b-hf@abc123"
+    record_base(tmp_path, "zoo")
+    assert adapter_base(tmp_path) == "zoo"
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="names no base_model_name_or_path"):
+        adapter_base(tmp_path)
+
+
+def test_a_pinned_hub_revision_downloads_that_revision_as_safetensors(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, allow_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model("hf:owner/name@0123abc") == str(tmp_path)
+    (repo_id, revision, patterns), = calls
+    assert (repo_id, revision) == ("owner/name", "0123abc")
+    assert "*.safetensors" in patterns and not any("bin" in p or "pt" in p.split(".")[-1] for p in patterns)
+    assert resolve_model("hf:owner/name") == "owner/name" and len(calls) == 1  # unpinned: from_pretrained's own
+
+
+def test_a_reward_adapter_on_a_base_it_was_not_trained_on_is_refused(tmp_path):
+    """A random model as `sft_model_path` with the zoo reward adapter once trained to the end (issue 37): the
+    adapter's recorded base must be the base it is put on, checked before any model loads."""
+    import shutil
+
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR
+    from marlhf_edu.ppo import PPOConfig
+    from marlhf_edu.ppo.backends import FourModelBackend
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend, check_reward_adapter_base
+
+    check_reward_adapter_base(REWARD_ADAPTER_DIR, SFT_DIR)  # recorded as ../tiny_sft, relative to the adapter
+    check_reward_adapter_base(REWARD_ADAPTER_DIR, "zoo")
+    other = tmp_path / "random_llama"
+    other.mkdir()
+    shutil.copy(SFT_DIR / "config.json", other / "config.json")  # never loaded: the check comes first
+    for backend in (MultiAdapterBackend, FourModelBackend):
+        with pytest.raises(ConfigError, match=r"trained on .*tiny_sft.* but would be put on .*random_llama"):
+            backend.from_config(PPOConfig(sft_model_path=str(other), reward_adapter_path="zoo"))
+    # the adapter, moved: naming the base explicitly says it belongs to it
+    moved = tmp_path / "rm"
+    shutil.copytree(REWARD_ADAPTER_DIR, moved)
+    with pytest.raises(ConfigError, match="reward_base_path: "):
+        check_reward_adapter_base(moved, SFT_DIR)
+
+
+def test_a_scorer_refuses_a_reward_model_with_another_vocabulary():
+    """`marlhf-edu evaluate` once scored toy-tokenizer ids with SmolLM2's reward model and printed a score."""
+    from marlhf_edu.models import load_reward_model, load_sft_model
+    from marlhf_edu.ppo import ScoredPolicy
+
+    policy, tokenizer = load_sft_model()
+    reward, reward_tokenizer = load_reward_model()
+    ScoredPolicy(policy, reward, tokenizer, reward_tokenizer)  # the shipped pair: accepted
+
+    class OtherVocabulary:
+        def get_vocab(self):
+            return {"a": 0}
+
+        def __len__(self):
+            return 1
+
+    with pytest.raises(ConfigError, match="reward model's tokenizer .* differs from the policy's"):
+        ScoredPolicy(policy, reward, tokenizer, OtherVocabulary())
+    reward.get_input_embeddings().num_embeddings = 3  # an embedding table smaller than the policy's vocabulary
+    with pytest.raises(ConfigError, match="embeds only 3"):
+        ScoredPolicy(policy, reward, tokenizer)
+
+
+def test_an_adapter_of_another_width_is_one_error_not_a_wall_of_mismatches(tmp_path):
+    """Issue 37 item 12: a mismatched reward adapter printed 49 `size mismatch` lines inside a traceback."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model
+
+    config = LlamaConfig.from_pretrained(SFT_DIR)
+    wider = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "hidden_size": config.hidden_size * 2,
+                                           "intermediate_size": config.intermediate_size * 2}))
+    wider.save_pretrained(tmp_path / "wider")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (SFT_DIR / name).exists():
+            (tmp_path / "wider" / name).write_bytes((SFT_DIR / name).read_bytes())
+    with pytest.raises(ConfigError, match=r"tiny_reward_adapter: its weights do not fit the base .*wider.* \(\d+ "
+                                          r"size mismatches; first: size mismatch for") as caught:
+        load_reward_model(tmp_path / "wider", REWARD_ADAPTER_DIR)
+    assert str(caught.value).count("size mismatch for") == 1
+
+
+def test_gguf_conversion_draws_no_progress_bar():
+    """transformers' per-tensor tqdm bar is a notebook widget no stdout redirect catches: a chapter's stored
+    output would then depend on a warm cache. `_no_progress_bar` silences it through the module's own `tqdm`
+    name, which this pins."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+
+    from marlhf_edu.sources import _no_progress_bar
+
+    original = gguf_loading.tqdm
+    with _no_progress_bar("transformers.modeling_gguf_pytorch_utils"):
+        assert gguf_loading.tqdm([1, 2]).disable
+    assert gguf_loading.tqdm is original

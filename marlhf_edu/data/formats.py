@@ -267,9 +267,15 @@ def read_rows(source: Any, split: str) -> Iterable[dict]:
     if path.endswith(".parquet"):
         import os
 
+        import pyarrow.parquet
+
         if not os.path.exists(path):
             raise DataFileError(f"no such data file: {path}")
-        return datasets.load_dataset("parquet", data_files=path, split="train")
+        # read directly: datasets.load_dataset would write a cache under ~/.cache, failing where HOME is read-only
+        try:
+            return pyarrow.parquet.read_table(path).to_pylist()
+        except Exception as error:  # pyarrow's own errors name neither the file nor what to do
+            raise DataFileError(f"{path}: not a readable Parquet file ({error})") from None
     return datasets.load_dataset(path, split=split)
 
 

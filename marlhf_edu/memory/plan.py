@@ -126,7 +126,7 @@ class ModelShape:
 
 LLAMA_2_7B = ModelShape("llama-2-7b", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
                         num_heads=32)
-PRESETS = {"llama-2-7b": LLAMA_2_7B, "meta-llama/Llama-2-7b-hf": LLAMA_2_7B}
+PRESETS = {"llama-2-7b": LLAMA_2_7B, "hf:meta-llama/Llama-2-7b-hf": LLAMA_2_7B, "meta-llama/Llama-2-7b-hf": LLAMA_2_7B}
 
 
 @dataclass

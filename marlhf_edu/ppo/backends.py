@@ -230,6 +230,25 @@ def _check_tokenizer(tokenizer):
                           "cannot tell the end of an answer from padding")
 
 
+def check_same_vocabulary(tokenizer, reward_tokenizer, reward=None, policy=None) -> None:
+    """Refuse a reward model that reads the policy's token ids as other tokens: its tokenizer must have the policy's
+    vocabulary, and its embedding rows must cover every id the policy can emit. A scorer fed ids from another
+    vocabulary returns numbers, not an error (`marlhf-edu evaluate` once scored toy ids with SmolLM2's reward
+    model), so this runs before any model is asked anything."""
+    from marlhf_edu.stages.common import ConfigError
+
+    if reward_tokenizer is not None and reward_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"the reward model's tokenizer ({len(reward_tokenizer)} tokens) differs from the policy's "
+                          f"({len(tokenizer)}): its scores of the policy's token ids would be meaningless (train the "
+                          "reward model on the policy's base, or pass the reward adapter that belongs to it)")
+    if reward is not None and policy is not None:
+        rows = reward.get_input_embeddings().num_embeddings
+        ids = policy.get_output_embeddings().out_features
+        if ids > rows:
+            raise ConfigError(f"the policy can emit {ids} token ids but the reward model embeds only {rows}: "
+                              "they do not share a vocabulary")
+
+
 def split_causal_lm(model) -> tuple[nn.Module, nn.Module]:
     """`(backbone, lm_head)` of a causal LM (or a peft model around one): hidden states, then logits."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -256,9 +275,7 @@ class FourModelBackend(PPOBackend):
 
         _check_tokenizer(tokenizer)
         self.shared_head = isinstance(critic, nn.Linear)
-        if reward_tokenizer is not None and reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ConfigError("the reward model's tokenizer differs from the policy's: its scores of the policy's "
-                              "token ids would be meaningless (re-train the reward model on the policy's tokenizer)")
+        check_same_vocabulary(tokenizer, reward_tokenizer)
         others = (("reference", reference), ("reward model", reward)) + (() if self.shared_head else (("critic", critic.backbone),))
         for name, m in others:
             if m.config.vocab_size != actor.config.vocab_size:
@@ -287,6 +304,10 @@ class FourModelBackend(PPOBackend):
 
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
+        if not config.reward_base_path:  # before anything loads
+            from marlhf_edu.ppo.multi_adapter import check_reward_adapter_base
+
+            check_reward_adapter_base(adapter, sft)
         device = config.resolved_device
         tokenizer = load_tokenizer(sft)
         reward_base = config.reward_base_path or sft
@@ -394,8 +415,9 @@ class ScoredPolicy:
     of a backend (`generate`, `scores`, `tokenizer`, `device`), for policies trained outside the PPO loop
     (trl's DPO and GRPO in chapter 12). No critic, no reference: it cannot be trained by `PPOTrainer`."""
 
-    def __init__(self, policy, reward, tokenizer):
+    def __init__(self, policy, reward, tokenizer, reward_tokenizer=None):
         _check_tokenizer(tokenizer)
+        check_same_vocabulary(tokenizer, reward_tokenizer, reward, policy)
         self.policy, self.reward, self.tokenizer = policy, reward, tokenizer
         self.device = next(policy.parameters()).device
 

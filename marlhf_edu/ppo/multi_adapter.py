@@ -62,12 +62,34 @@ def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
 
 
 def same_model_path(a, b) -> bool:
-    """Whether two model references name the same model: equal strings, or paths to the same directory."""
-    a, b = str(a), str(b)
+    """Whether two model references name the same model: equal strings, or paths to the same directory
+    (`zoo` and `zoo/<name>` read as the shipped folders they stand for)."""
+    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.sources import local_path
+
+    a, b = (str(SFT_DIR) if str(x) == "zoo" else str(x) for x in (a, b))
     if a == b:
         return True
-    pa, pb = pathlib.Path(a), pathlib.Path(b)
+    pa, pb = local_path(a), local_path(b)
     return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+def check_reward_adapter_base(adapter_dir, base_in_use) -> None:
+    """Refuse a reward adapter on a base it was not trained on: the base its `adapter_config.json` records must be
+    the one it is about to be put on. A LoRA and a score head on another base still return a number for every
+    answer, so a run with the wrong base trains to the end on noise. Setting `reward_base_path` to the base in
+    use says that the adapter belongs to it under another name (a folder moved since), and skips this check."""
+    from marlhf_edu.sources import adapter_base
+    from marlhf_edu.stages.common import ConfigError
+
+    if not (pathlib.Path(adapter_dir) / "adapter_config.json").exists():
+        return  # not an adapter folder: loading it names the problem
+    recorded = adapter_base(adapter_dir)
+    if not same_model_path(recorded, base_in_use):
+        raise ConfigError(f"the reward adapter {adapter_dir} was trained on {recorded!r} (its adapter_config.json) "
+                          f"but would be put on {str(base_in_use)!r}: its scores would be noise. Use the reward model "
+                          f"trained on this base, or, if it was trained on this very model under another name, set "
+                          f"reward_base_path: {base_in_use}")
 
 
 class MultiAdapterBackend(PPOBackend):
@@ -77,6 +99,7 @@ class MultiAdapterBackend(PPOBackend):
                  lora_alpha: int = 16, target_modules=None, seed: int = 0, critic_init: str = "zero"):
         from peft import LoraConfig, get_peft_model
 
+        from marlhf_edu.sources import adapter_fits
         from marlhf_edu.stages.common import ConfigError
 
         _check_tokenizer(tokenizer)
@@ -95,7 +118,7 @@ class MultiAdapterBackend(PPOBackend):
                                                            "gate_proj", "up_proj", "down_proj"]))
         torch.manual_seed(seed)
         self.model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **lora), adapter_name="policy")
-        with quiet_loading():
+        with quiet_loading(), adapter_fits(reward_adapter_dir, base.config.name_or_path):
             if value_mode == "adapter" and critic_init == "reward_model":  # a trainable copy of the reward adapter
                 self.model.load_adapter(str(reward_adapter_dir), adapter_name="value", is_trainable=True)
             elif value_mode == "adapter":
@@ -131,7 +154,9 @@ class MultiAdapterBackend(PPOBackend):
                               "policy's base, so it cannot be merged into it")
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
-        if config.reward_base_path and not same_model_path(config.reward_base_path, sft):
+        if not config.reward_base_path:
+            check_reward_adapter_base(adapter, sft)
+        elif not same_model_path(config.reward_base_path, sft):
             raise ConfigError(f"reward_base_path={config.reward_base_path!r} differs from sft_model_path={str(sft)!r}: "
                               "multi-adapter PPO puts the reward adapter on the policy's own base, so a reward adapter "
                               "trained on another base would score with weights it never saw. Train the reward model on "

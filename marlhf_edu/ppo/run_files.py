@@ -9,7 +9,6 @@ A run folder holds `metrics.jsonl` (one record per step), `eval_curve.jsonl` (wi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -17,15 +16,8 @@ import pickle
 
 import torch
 
+from marlhf_edu.model_cache import file_sha256 as sha256_of  # one streaming sha256 for checkpoints and the cache
 from marlhf_edu.stages.common import ConfigError
-
-
-def sha256_of(path: pathlib.Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fsync_path(path: pathlib.Path) -> None:

@@ -68,9 +68,15 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
     if unknown:
         raise ConfigError(f"unknown option(s) {', '.join('--' + f for f in unknown)}" + _suggest(unknown, known))
     try:
-        return parser.parse_args_and_config(argv)
+        parsed = parser.parse_args_and_config(argv)
     except SystemExit as err:  # argparse exits on a bad value; turn it into an error a caller can catch
         raise ConfigError(f"invalid configuration value (see the message above): {argv}") from err
+    for args in parsed:  # a trl stage told to train for nothing would save its untrained model and exit 0
+        epochs, steps = getattr(args, "num_train_epochs", None), getattr(args, "max_steps", None)
+        if epochs is not None and steps is not None and epochs <= 0 and steps <= 0:
+            raise ConfigError(f"num_train_epochs={epochs} and max_steps={steps}: nothing would be trained; "
+                              "set num_train_epochs > 0 (or max_steps > 0)")
+    return parsed
 
 
 def _field_types(dataclass_types) -> dict:
@@ -179,10 +185,18 @@ def record_base(output_dir, model_ref: str) -> None:
     import json
     import pathlib
 
+    from marlhf_edu.sources import ModelSource
+
     path = pathlib.Path(output_dir) / "adapter_config.json"
     if path.exists():
         config = json.loads(path.read_text())
-        config["base_model_name_or_path"] = str(model_ref)
+        # a hub model without a pinned revision is recorded as peft writes it (owner/name), so other tools read it
+        try:
+            source = ModelSource.parse(model_ref)
+        except ConfigError:  # after training, a reference that no longer parses is still recorded as written
+            source = None
+        hub = source is not None and source.kind == "hub" and not source.revision
+        config["base_model_name_or_path"] = source.location if hub else str(model_ref)
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -206,8 +220,8 @@ def evaluate_trained_policy(policy, tokenizer, *, toy_seed: int, reward_base: st
 
     world = ToyWorld(ToyWorldConfig(seed=toy_seed))
     with quiet_loading():
-        reward, _ = load_reward_model(reward_base, reward_adapter)
-    backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer)
+        reward, reward_tokenizer = load_reward_model(reward_base, reward_adapter)
+    backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer, reward_tokenizer)
     samples = sample_toy(backend, world, repeats, max_new_tokens, seed=seed)
     metrics = toy_metrics(world, samples, repeats)
     metrics["gold"] = sum(s["gold"] for s in samples) / len(samples)

@@ -83,12 +83,16 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     """Train, save the adapter, evaluate on toy data; return `(trainer, metrics)`."""
     from trl import DPOTrainer
 
+    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.stages.common import resolve_zoo, select_rows
     from marlhf_edu.stages.reward import check_lengths, load_preference_data
 
     peft_config = lora_policy_config(model_args, "DPO")
-    dataset = load_preference_data(script_args) if dataset is None else dataset
-    model, tokenizer = load_policy(model_args)
-    check_lengths(dataset, tokenizer, training_args.max_length)
+    tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
+    if dataset is None:  # max_tokens and max_rows, reported, as in the reward-model stage
+        dataset = select_rows(load_preference_data(script_args, tokenizer), tokenizer, script_args, "preference")
+    check_lengths(dataset, tokenizer, training_args.max_length)  # before the model loads
+    model, _ = load_policy(model_args)
     trainer = DPOTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=peft_config)
     trainer.train()

@@ -36,16 +36,14 @@ class EvaluateArguments:
 
 def reward_base_of(adapter_dir) -> str:
     """The base model an adapter records (`base_model_name_or_path` in its adapter_config.json)."""
-    import json
     import pathlib
 
+    from marlhf_edu.sources import adapter_base
     from marlhf_edu.stages.common import ConfigError
 
-    path = pathlib.Path(adapter_dir) / "adapter_config.json"
-    base = json.loads(path.read_text()).get("base_model_name_or_path") if path.exists() else None
-    if not base:
+    if not (pathlib.Path(adapter_dir) / "adapter_config.json").exists():
         raise ConfigError(f"{adapter_dir}: no adapter_config.json naming its base; pass --reward_base")
-    return base
+    return adapter_base(adapter_dir)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     reward_base = args.reward_base or (str(SFT_DIR) if args.reward_adapter == "zoo" else reward_base_of(adapter))
     with quiet_loading():
         policy, tokenizer = load_sft_model(args.model)
-        reward, _ = load_reward_model(reward_base, adapter)
+        reward, reward_tokenizer = load_reward_model(reward_base, adapter)
     judge = args.judge
     if judge == "auto":
         judge = "toy" if tokenizer.get_vocab() == load_tokenizer(TOKENIZER_DIR).get_vocab() else "keyword"
@@ -79,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         world = ToyWorld()
     else:
         world = KeywordJudge(tokenizer, limit=args.prompts, max_prompt_tokens=args.max_prompt_length)
-    backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer)
+    backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer, reward_tokenizer)
     metrics, samples = judge_policy(backend, world, args.repeats, args.max_new_tokens, args.temperature, args.seed)
     metrics = {"judge": judge, "answers": len(samples), **metrics}
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))

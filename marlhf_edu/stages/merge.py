@@ -50,7 +50,7 @@ def merge(args: MergeArguments) -> dict:
     from transformers import AutoModelForCausalLM
 
     from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.sources import align_pad, load_tokenizer, resolve_model
+    from marlhf_edu.sources import adapter_base, adapter_fits, align_pad, load_tokenizer, resolve_model
     from marlhf_edu.stages.common import ConfigError
 
     if not args.adapter or not args.output_dir:
@@ -63,9 +63,7 @@ def merge(args: MergeArguments) -> dict:
     config = json.loads((adapter / "adapter_config.json").read_text())
     if config.get("task_type") != "CAUSAL_LM":
         raise ConfigError(f"{adapter}: a {config.get('task_type')} adapter is not a language model")
-    base_ref = config.get("base_model_name_or_path")
-    if not base_ref:
-        raise ConfigError(f"{adapter}/adapter_config.json names no base_model_name_or_path")
+    base_ref = adapter_base(adapter)  # a bare hub id peft recorded reads as hf:owner/name
     out = pathlib.Path(args.output_dir)
     # never write over what the merge reads: the base would then carry the delta, and the adapter apply it twice
     protected = {adapter.resolve()} | ({pathlib.Path(base_ref).resolve()} if pathlib.Path(base_ref).exists() else set())
@@ -76,7 +74,8 @@ def merge(args: MergeArguments) -> dict:
     tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").exists() else base_ref)
     with quiet_loading():
         base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(base_ref), dtype=torch.float32), tokenizer)
-        model = PeftModel.from_pretrained(base, str(adapter)).eval()
+        with adapter_fits(adapter, base_ref):
+            model = PeftModel.from_pretrained(base, str(adapter)).eval()
     batch = _sample_batch(tokenizer, args.check_prompts)
     real = batch["attention_mask"].bool()
     with torch.no_grad():

@@ -176,13 +176,35 @@ def wire(stages: list[Stage]) -> dict[str, str]:
     return wiring
 
 
-def resume_argv(stage: Stage, out: pathlib.Path) -> list[str]:
-    """The options that continue a stopped stage from its last checkpoint in `out` (none if it has none)."""
+def trl_checkpoint_problem(folder: pathlib.Path) -> str | None:
+    """None when a trl `checkpoint-N` folder is complete, else what is missing. The Trainer writes the weights,
+    then the optimizer, scheduler and RNG state, and `trainer_state.json` last: a stage killed while saving leaves
+    a folder without it (or with it cut short), which a resume would load half of."""
+    import json
+
+    try:
+        json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return "no complete trainer_state.json (killed while saving)"
+    if not any((folder / name).exists() for name in ("adapter_model.safetensors", "model.safetensors",
+                                                     "model.safetensors.index.json")):
+        return "no model weights"
+    return None
+
+
+def resume_argv(stage: Stage, out: pathlib.Path, log=print) -> list[str]:
+    """The options that continue a stopped stage from its last complete checkpoint in `out` (none if it has
+    none); an incomplete newer one is named and passed over."""
     if stage.kind == "ppo":
         return ["--resume", "true"] if (out / "checkpoints" / "latest").exists() else []
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
                          if p.name.split("-")[-1].isdigit() else -1)
-    return ["--resume_from_checkpoint", str(checkpoints[-1])] if checkpoints else []
+    for folder in reversed(checkpoints):
+        problem = trl_checkpoint_problem(folder)
+        if problem is None:
+            return ["--resume_from_checkpoint", str(folder)]
+        log(f"pipeline: {stage.name}: {folder} is incomplete ({problem}); not resuming from it")
+    return []
 
 
 def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, progress: bool = True) -> list[dict]:
@@ -209,7 +231,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
             log(f"pipeline: {stage.name} finished earlier ({out / MARKER}), skipped")
             records.append({"stage": stage.name, "status": "skipped", "output_dir": str(out)})
             continue
-        resume = resume_argv(stage, out)
+        resume = resume_argv(stage, out, log)
         log(f"pipeline: {stage.name} " + (f"resumes from {resume[-1] if stage.kind != 'ppo' else out / 'checkpoints'}"
                                                if resume else "starts") + f" -> {out}")
         start = time.perf_counter()

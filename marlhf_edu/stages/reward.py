@@ -53,14 +53,18 @@ def load_preference_data(script_args, tokenizer=None, split: str | None = None):
 
 
 def check_lengths(dataset, tokenizer, max_length: int | None):
-    """trl drops pairs longer than `max_length` without a word; we refuse to, and say which rows."""
+    """trl drops preference pairs longer than `max_length`, and cuts SFT rows (and their EOS) to it, without a
+    word; we refuse to, and say which rows."""
+    from marlhf_edu.stages.common import ConfigError
+
     if max_length is None:
         return
     too_long = [i for i, row in enumerate(dataset)
-                if max(len(tokenizer(row["prompt"] + row[k])["input_ids"]) for k in ("chosen", "rejected")) + 1 > max_length]
+                if max(len(tokenizer(row["prompt"] + row[k])["input_ids"])
+                       for k in ("completion", "chosen", "rejected") if k in row) + 1 > max_length]
     if too_long:
-        raise ValueError(f"{len(too_long)} preference pair(s) exceed max_length={max_length} tokens "
-                         f"(first rows: {too_long[:5]}); raise max_length or filter them explicitly")
+        raise ConfigError(f"{len(too_long)} row(s) exceed max_length={max_length} tokens (first rows: "
+                          f"{too_long[:5]}); raise max_length, or keep the rows that fit with max_tokens")
 
 
 def length_baseline(tokenizer, pairs: list[dict]) -> dict:
