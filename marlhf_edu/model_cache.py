@@ -102,8 +102,28 @@ def seal(folder: pathlib.Path) -> None:
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
+_VERIFIED: set[tuple] = set()  # entries this process has hashed, with their files' sizes and times then
+
+
+def _fingerprint(folder: pathlib.Path) -> tuple:
+    return (str(folder.resolve()),) + tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                                             for p in sorted(folder.rglob("*")) if p.is_file())
+
+
 def check_entry(folder: pathlib.Path) -> str | None:
-    """None when the entry matches its manifest, else what is wrong with it."""
+    """None when the entry matches its manifest, else what is wrong with it. An entry is hashed once per
+    process while its files keep their sizes and modification times (a stage resolves one model several times:
+    tokenizer, model, reference), and again as soon as any of them changes."""
+    fingerprint = _fingerprint(folder) if folder.is_dir() else None
+    if fingerprint in _VERIFIED:
+        return None
+    problem = _check_entry(folder)
+    if problem is None and fingerprint is not None:
+        _VERIFIED.add(fingerprint)
+    return problem
+
+
+def _check_entry(folder: pathlib.Path) -> str | None:
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
@@ -135,6 +155,7 @@ def publish(build, target: pathlib.Path) -> pathlib.Path:
             build(tmp)
             seal(tmp)
             os.replace(tmp, target)
+            _VERIFIED.add(_fingerprint(target))  # just hashed by seal
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -100,3 +100,16 @@ def test_cache_list_and_clean_from_the_command_line(tmp_path, monkeypatch, capsy
     assert main(["cache", "clean", "merged/b-2"]) == 0
     assert [p.name for p in (tmp_path / "merged").iterdir() if p.is_dir()] == ["a-1"]
     assert main(["cache", "clean"]) == 0 and not any(p.is_dir() for p in (tmp_path / "merged").iterdir())
+
+
+def test_an_entry_is_hashed_once_per_process_until_a_file_changes(tmp_path, monkeypatch):
+    target = tmp_path / "merged" / "x-1"
+    publish(_builder([]), target)
+    hashed = []
+    original = model_cache.file_sha256
+    monkeypatch.setattr(model_cache, "file_sha256", lambda p: hashed.append(p) or original(p))
+    assert check_entry(target) is None and check_entry(target) is None
+    assert hashed == []  # verified when it was published: not hashed again
+    time.sleep(0.01)
+    (target / "model.safetensors").write_text("changed")
+    assert "does not match" in check_entry(target) and hashed

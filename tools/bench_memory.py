@@ -1,4 +1,4 @@
-"""Measure PPO's memory against the planner and record the numbers the README quotes.
+"""Measure PPO's memory against the planner and record the numbers the benchmarks page (site/benchmarks.md) quotes.
 
     python tools/bench_memory.py [--out benchmarks/memory.json] [--layers 2]
 

@@ -1,4 +1,4 @@
-"""Benchmark the PPO demonstration runs on this machine and record the numbers the README quotes.
+"""Benchmark the PPO demonstration runs on this machine and record the numbers the benchmarks page (site/benchmarks.md) quotes.
 
     python tools/bench_ppo.py [--config configs/tiny_ppo.yaml] [--out benchmarks/ppo_tiny.json]
 

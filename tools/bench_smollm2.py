@@ -1,4 +1,4 @@
-"""The MA-PPO run on SmolLM2-135M that chapter 13 and the README report.
+"""The MA-PPO run on SmolLM2-135M that chapter 13 and the benchmarks page (site/benchmarks.md) report.
 
     python tools/bench_smollm2.py [--seed 0] [--out benchmarks/smollm2_ma_ppo] [-- extra ma-ppo overrides]
 

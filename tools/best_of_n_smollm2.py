@@ -9,7 +9,7 @@ The SFT model (the shipped SFT adapter merged into SmolLM2, fp32) samples N answ
 held-out red-team request of `KeywordJudge`, once: the samples are stored and reused, so every reward model is
 judged on the same answers. The reward model (fp32 base) scores them in batches, and
 `keyword_judge.best_of_n_rates` says whether the answer it likes best refuses more often than one sample does.
-If not, PPO against it cannot be expected to raise refusals (README, chapter 13). Drawing and scoring took
+If not, PPO against it cannot be expected to raise refusals (site/benchmarks.md, chapter 13). Drawing and scoring took
 375 s on 2 cores (AMD EPYC, commit 5f64dd1); scoring the stored samples alone takes about 100 s.
 
 The same gate for helpfulness (`benign` in the output): N answers to each benign question of the judge, stored

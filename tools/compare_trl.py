@@ -24,7 +24,7 @@ Cases (ours, then trl's):
     lora       `ma-ppo --load_in_4bit false --value_mode shared` (LoRA r = 16 on all linear layers, value head on
                the policy) with and without `--merged_rollout true`, against trl with the same peft LoRA
                (reference = adapter disabled).
-Not part of `make test`; its output is stored in `benchmarks/` and quoted by the README.
+Not part of `make test`; its output is stored in `benchmarks/` and quoted by site/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The tiny MA-PPO backend (NF4, value adapter) runs one 16-rollout no-grad rollout
 batch is backpropagated; its LoRA gradients are compared with those of a backend that never ran the rollout
 (same batch). Without the guard, on a CPU with AVX512-BF16, bitsandbytes has repacked the 4-bit weights during
 the rollout and gradients through them are cut. On other CPUs both runs agree: the file records which CPU it was.
-Chapter 10 and the README quote the numbers.
+Chapter 10 and site/benchmarks.md quote the numbers.
 """
 
 from __future__ import annotations
