@@ -54,14 +54,22 @@ def quiet_bitsandbytes_cpu_notice() -> None:
 
 def nf4_loading_kwargs(device: str, double_quant: bool = True) -> dict:
     """`from_pretrained` arguments for an NF4 base on `device`: compute in bf16 on CUDA, fp32 on CPU
-    (most CPUs have no fast bf16), the whole model on that one device."""
+    (most CPUs have no fast bf16), the whole model on that one device.
+
+    On CUDA the parts that stay unquantized (embeddings, norms, lm_head: the residual stream) are loaded in bf16
+    whatever the checkpoint says: transformers 5 loads `dtype="auto"`, the checkpoint's own dtype, which is float16
+    for Llama-2-7b-hf, and a float16 residual stream with no loss scaling is not the recipe (issue 34). On CPU the
+    checkpoint's dtype is kept (the book's CPU checkpoints are fp32; the 7B-shaped smoke model is bf16)."""
     from transformers import BitsAndBytesConfig
 
     compute = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_use_double_quant=double_quant,
-                                                      bnb_4bit_compute_dtype=compute),
-            "device_map": {"": device}}
+    kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                        bnb_4bit_use_double_quant=double_quant,
+                                                        bnb_4bit_compute_dtype=compute),
+              "device_map": {"": device}}
+    if device.startswith("cuda"):
+        kwargs["dtype"] = torch.bfloat16
+    return kwargs
 
 
 def is_cpu_repacked(module) -> bool:

@@ -25,11 +25,12 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def last_token_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, H) final hidden state at each row's last real token, from the backbone of a sequence-classification
-    model (plain or peft-wrapped): what its score head reads."""
+    model (plain or peft-wrapped): what its score head reads. `use_cache=False`: a scoring pass never decodes
+    further, and the KV cache it would build costs about 10.7 GB at 7B for 64 x 320 tokens (issue 34)."""
     seqcls = model.get_base_model() if hasattr(model, "get_base_model") else model
     backbone = getattr(seqcls, seqcls.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask)).last_hidden_state
+                      position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     return hidden[rows, last_valid_index(attention_mask)]
 
@@ -42,7 +43,8 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     head to those B vectors only.
     """
     seqcls = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return seqcls.score(last_token_hidden(model, input_ids, attention_mask)).squeeze(-1).float()
+    head = seqcls.score  # fp32 over a bf16 backbone on a GPU (the stages keep trainables fp32): read in its dtype
+    return head(last_token_hidden(model, input_ids, attention_mask).to(head.weight.dtype)).squeeze(-1).float()
 
 
 #: How a rollout that never reached EOS is read by the reward model (`PPOConfig.truncated_scoring`).

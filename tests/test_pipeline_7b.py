@@ -76,6 +76,12 @@ def test_the_7b_shaped_pipeline_runs_end_to_end(smoke):
     policy = json.loads((out / "ma_ppo" / "policy" / "adapter_config.json").read_text())
     assert policy["r"] == 64
     assert "pipeline: rm.model_name_or_path = " + str(out / "sft") in smoke["log"]
+    # trl casts QLoRA trainables to bf16 under `bf16: true`; the stages keep adapters and the score head fp32 (issue 34)
+    from safetensors import safe_open
+
+    for sub in ("sft", "rm"):
+        with safe_open(str(out / sub / "adapter_model.safetensors"), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}, sub
 
 
 def test_the_smoke_run_keeps_the_recipe(smoke):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 import time
 
 #: stage name → (module with `main(argv)`, the kind of config it parses: `_config_types`)
@@ -238,6 +239,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         argv = ["--config", stage.config, *stage.argv, *resume]
         module = importlib.import_module(stage.module)
         module.main(argv, progress=progress) if stage.kind == "ppo" else module.main(argv)
+        release_memory()
         record = {"stage": stage.name, "status": "resumed" if resume else "ran", "output_dir": str(out),
                   "config": stage.config, "argv": stage.argv, "seconds": round(time.perf_counter() - start, 1)}
         if main_rank:
@@ -245,6 +247,22 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
             (out / MARKER).write_text(json.dumps(record, indent=2) + "\n")
         records.append(record)
     return records
+
+
+def release_memory() -> None:
+    """Free what a finished stage left behind before the next one loads its model. A trl trainer and its model sit
+    in reference cycles (callbacks, accelerate's state), so they outlive the stage until Python's cyclic collector
+    happens to run: measured on an H100 with the 7B recipe, the reward stage started with 3.8 GiB still allocated by
+    SFT and the PPO stage with 3.5 GiB left by the reward model (its peak 10.0 GiB instead of 7.1 GiB in a process of
+    its own; benchmarks/gpu_check.json, issue 34). Collect them now and hand the cached blocks back to the driver."""
+    import gc
+
+    gc.collect()
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None):

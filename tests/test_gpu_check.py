@@ -1,0 +1,67 @@
+"""tools/gpu_check.py, the check a GPU owner runs first (issue 34), on CPU at a reduced shape so that it cannot rot.
+
+Its numbers here check the tool, not a GPU; the record of the run on an H100 is benchmarks/gpu_check.json.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    out = tmp / "record.json"
+    gpu_check.main(["ppo", "sampling", "stages", "pipeline", "--device", "cpu", "--reduced", "--rows", "64",
+                    "--work", str(tmp / "work"), "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_every_part_runs_and_passes_its_checks(record):
+    for part in ("ppo", "sampling", "stages", "pipeline"):
+        assert "error" not in record[part], record[part].get("traceback")
+        assert all(ok in (True, None) for ok in record[part]["checks"].values()), (part, record[part]["checks"])
+    assert record["model"]["checkpoint_dtype"] == "float16"  # saved as the real Llama-2-7b-hf is
+
+
+def test_the_ppo_part_measures_what_issue_34_asks(record):
+    ppo = record["ppo"]
+    assert ppo["steps"] == 3 and len(ppo["seconds"]["time/generate_s"]) == 3
+    assert ppo["first_minibatch"]["policy/ratio_mean"] == 1.0  # one process, fp32 on CPU: exactly 1
+    assert ppo["dtypes"]["trainable"] == ["torch.float32"]
+    # lora_B starts at 0, so lora_A's first gradient is exactly 0: the tool reports the two apart
+    assert ppo["policy_lora_grad_zero_share"][0]["lora_A"] == 1.0
+    assert ppo["policy_lora_grad_zero_share"][-1]["lora_A"] < 1.0
+    assert ppo["planned"]["peak_gib"] > 0
+
+
+def test_the_sampling_part_sees_bf16_rounding_of_the_lora_update(record):
+    """A merged bf16 copy loses a large part of an early LoRA update (RMS 1e-4 on weights of scale 0.02); fp32 none."""
+    s = record["sampling"]
+    assert abs(s["perturbation_rms"] - 1e-4) < 1e-6
+    assert s["merged_bf16"]["delta_relative_error_in_weights"] > 0.1
+    assert s["merged_fp32"]["delta_relative_error_in_weights"] == 0.0
+    assert set(s["generate"]) == {"adapter", "merged"} and set(s["update"]) == {"micro_batch_1", "micro_batch_2"}
+
+
+def test_the_stage_parts_run_every_stage(record):
+    assert set(record["stages"]["stages"]) == {"sft", "merge", "rm", "ma-ppo"}
+    assert record["stages"]["stages"]["merge"]["disk_gib"] > 0
+    assert [s["stage"] for s in record["pipeline"]["stages"]] == ["sft", "rm", "ma-ppo"]
+
+
+def test_the_committed_gpu_record_is_whole():
+    """The H100 record has every part, its machine, and each part's command."""
+    gpu = json.loads((ROOT / "benchmarks" / "gpu_check.json").read_text())
+    assert gpu["machine"]["gpu"].startswith("NVIDIA") and gpu["model"]["reduced"] is False
+    for part in ("ppo", "sampling", "stages", "pipeline"):
+        assert "error" not in gpu[part] and gpu[part]["command"].startswith("python tools/gpu_check.py")

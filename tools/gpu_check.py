@@ -1,0 +1,622 @@
+"""The check to run on a new GPU before spending hours on the 7B recipe (issue 34). Not part of `make test`.
+
+    python tools/gpu_check.py ppo          # (a) 3 MA-PPO steps of configs/llama2_7b/ma_ppo.yaml at full shape
+    python tools/gpu_check.py sampling     # (b) the merged sampler against the training path; speed; micro-batch
+    python tools/gpu_check.py stages       # (c) SFT, the merge, RM, MA-PPO at full shape, a few steps each
+    python tools/gpu_check.py ppo sampling stages --out benchmarks/gpu_check.json
+
+Offline: the model is a random Llama with Llama-2-7B's full shape (32 layers, 4096 wide, 32,000 tokens), saved
+in float16 as the real checkpoint is, with a random reward adapter of the recipe's shape (LoRA r = 32 on q/k/v/o
+and a score head) and rows in PKU-SafeRLHF's schema written in its synthetic tokenizer's words; the stage configs
+are the recipe's own (`configs/llama2_7b/*.yaml`), only paths, data and step counts changed. What a random model
+says means nothing; its memory, time, dtypes and numerics are those of the real one. Each part takes under 10
+minutes on one 80 GB GPU (the model is built once per --work folder) and adds its section to `--out`, each
+measurement next to its pass line:
+
+(a) `ppo`: peak allocated memory within 15 % of the planner's peak; the residual stream (embeddings, norms, LM
+    head, a decoder layer's output) in bf16; the first minibatch's ratio within 1e-2 of 1 and its approxkl; the
+    share of policy LoRA gradient entries that are exactly zero; seconds per phase; sampled tokens/s.
+(b) `sampling`: after a LoRA perturbation of the size of early updates (RMS of s·B·A = 1e-4 per weight), the
+    log-prob gap |log π_sampler − log π_train| per response token and the KL per response for a bf16 and an fp32
+    merged copy, and the share of the policy's move (away from the reference) that each copy keeps; the log-prob
+    gap between the batch-16 rollout forward and the micro-batch-1 update forward; merged vs adapter tokens/s; one
+    update at micro-batch 1 and 4 (seconds, peak).
+(c) `stages`: each stage in its own process through `marlhf-edu pipeline --stages NAME` (the SFT adapter merged
+    once in its own process first): per-stage peak GPU memory, seconds, peak host RAM, the merge's seconds, RAM
+    and disk, and the run's disk.
+
+`--reduced` runs the same code on a tiny model of the same family (2 layers, width 128) so that the test suite
+runs all three parts on CPU (tests/test_gpu_check.py); its numbers check the tool, not a GPU. Documented in
+chapter 15 and site/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+REDUCED = dict(name="llama-2-7b family, reduced", vocab_size=2048, hidden_size=128, intermediate_size=344,
+               num_layers=2, num_heads=4)
+#: the pass lines (issue 34)
+PEAK_TOLERANCE = 0.15
+RATIO_TOLERANCE = 1e-2
+PERTURBATION_RMS = 1e-4
+
+
+def gib(n):
+    return None if n is None else round(n / 2**30, 3)
+
+
+def shape_for(args):
+    from marlhf_edu.memory.plan import LLAMA_2_7B
+
+    return replace(LLAMA_2_7B, **REDUCED) if args.reduced else LLAMA_2_7B
+
+
+def cuda(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") and torch.cuda.is_available()
+
+
+def sync(device):
+    import torch
+
+    if cuda(device):
+        torch.cuda.synchronize()
+
+
+def reset_peak(device):
+    import torch
+
+    if cuda(device):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory(device) -> dict:
+    import torch
+
+    if not cuda(device):
+        return {"allocated_gib": None, "max_allocated_gib": None, "max_reserved_gib": None}
+    return {"allocated_gib": gib(torch.cuda.memory_allocated()), "max_allocated_gib": gib(torch.cuda.max_memory_allocated()),
+            "max_reserved_gib": gib(torch.cuda.max_memory_reserved())}
+
+
+# ---- the model, the reward adapter and the data -----------------------------------------------------------------
+
+def build(args) -> dict:
+    """A random model of the shape, saved in float16 like Llama-2-7b-hf, its tokenizer, a random reward adapter
+    (LoRA r = 32 on q/k/v/o + score head, SEQ_CLS) and PKU-SafeRLHF-schema rows; reused when already in --work."""
+    import random
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    from marlhf_edu.memory.check import synthetic_tokenizer
+
+    work = pathlib.Path(args.work)
+    paths = {"model": work / "model", "reward": work / "reward", "data": work / "pku_saferlhf.jsonl"}
+    done = work / "built.json"
+    if done.exists():
+        return {**paths, **json.loads(done.read_text())}
+    shape = shape_for(args)
+    start = time.perf_counter()
+    tokenizer = synthetic_tokenizer(shape.vocab_size)
+    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.kv_heads,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    # initialised on the GPU when there is one (a 7B random init on CPU takes minutes), saved in float16
+    with torch.device("cuda" if cuda(args.device) else "cpu"):
+        model = LlamaForCausalLM(config)
+    model.to(torch.float16).save_pretrained(str(paths["model"]))
+    tokenizer.save_pretrained(str(paths["model"]))
+    del model
+    if cuda(args.device):
+        torch.cuda.empty_cache()
+    # the reward adapter: built on a meta-device model (no 13 GB copy), its trainable tensors made real
+    with torch.device("meta"):
+        seq = AutoModelForSequenceClassification.from_config(replace_config(config, num_labels=1), dtype=torch.float16)
+    peft = get_peft_model(seq, LoraConfig(task_type="SEQ_CLS", r=32, lora_alpha=8, lora_dropout=0.0,
+                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    gen = torch.Generator().manual_seed(1)
+    for name, param in peft.named_parameters():
+        if param.requires_grad:
+            fan_in = param.shape[-1]
+            owner, attr = name.rsplit(".", 1)
+            module = peft.get_submodule(owner)
+            value = torch.randn(param.shape, generator=gen, dtype=torch.float32) / fan_in**0.5
+            if ".lora_B." in name:
+                value = value * 0.1
+            module._parameters[attr] = torch.nn.Parameter(value, requires_grad=True)
+    peft.peft_config["default"].base_model_name_or_path = str(paths["model"])
+    peft.save_pretrained(str(paths["reward"]))
+    # rows in PKU-SafeRLHF's schema: prompts of 20-50 words, answers of 100-250 (the recipe's 64 + 256 tokens)
+    rng = random.Random(0)
+
+    def words(lo, hi):
+        return " ".join(f"w{rng.randrange(4, shape.vocab_size)}" for _ in range(rng.randrange(lo, hi)))
+
+    prompt, answer = ((5, 15), (10, 40)) if args.reduced else ((20, 50), (100, 240))
+    rows = []
+    for _ in range(args.rows):
+        safe = [rng.random() < 0.6, rng.random() < 0.6]
+        rows.append({"prompt": words(*prompt), "response_0": words(*answer), "response_1": words(*answer),
+                     "prompt_source": "synthetic", "response_0_source": "synthetic", "response_1_source": "synthetic",
+                     "is_response_0_safe": safe[0], "is_response_1_safe": safe[1],
+                     "response_0_severity_level": 0 if safe[0] else 2, "response_1_severity_level": 0 if safe[1] else 1,
+                     "better_response_id": rng.randrange(2), "safer_response_id": rng.randrange(2)})
+    paths["data"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    meta = {"build_s": round(time.perf_counter() - start, 1), "shape": vars(shape),
+            "checkpoint_dtype": json.loads((paths["model"] / "config.json").read_text()).get("dtype")
+            or json.loads((paths["model"] / "config.json").read_text()).get("torch_dtype")}
+    done.write_text(json.dumps(meta))
+    return {**paths, **meta}
+
+
+def replace_config(config, **changes):
+    import copy
+
+    config = copy.deepcopy(config)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return config
+
+
+def ppo_config(args, built, name: str, extra=()):
+    """configs/llama2_7b/ma_ppo.yaml with the check's paths, data and steps (and `--reduced` lengths)."""
+    from marlhf_edu.ppo import PPOConfig
+    from marlhf_edu.stages.common import parse_stage_args
+
+    argv = ["--config", str(ROOT / "configs/llama2_7b/ma_ppo.yaml"), "--sft_model_path", str(built["model"]),
+            "--reward_adapter_path", str(built["reward"]), "--dataset_name", str(built["data"]),
+            "--output_dir", str(pathlib.Path(args.work) / name), "--device", args.device, "--save_steps", "1000"]
+    if args.reduced:
+        argv += ["--batch_size", "4", "--mini_batch_size", "2", "--forward_batch_size", "4", "--max_new_tokens", "8"]
+    (config,) = parse_stage_args((PPOConfig,), argv + list(extra))
+    return config
+
+
+def new_trainer(config):
+    import torch
+
+    from marlhf_edu.book import quietly
+    from marlhf_edu.ppo import PPOTrainer
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+    from marlhf_edu.stages.ppo import load_prompts
+
+    torch.manual_seed(config.seed)
+    with quietly():
+        backend = MultiAdapterBackend.from_config(config)
+    return PPOTrainer(backend, config, load_prompts(config, backend.tokenizer))
+
+
+# ---- (a) three MA-PPO steps ------------------------------------------------------------------------------------
+
+def part_ppo(args, built) -> dict:
+    import torch
+
+    from marlhf_edu.memory.check import plan_for
+
+    shape = shape_for(args)
+    config = ppo_config(args, built, "ppo", ["--total_steps", str(args.steps)])
+    reset_peak(args.device)
+    start = time.perf_counter()
+    trainer = new_trainer(config)
+    sync(args.device)
+    load_s = time.perf_counter() - start
+    loaded = memory(args.device)
+    base = trainer.backend.model.get_base_model()
+    seen = {}
+
+    def record_dtype(module, inputs, output):  # returns None: the output is left as it is
+        seen.setdefault("layer_output", str((output[0] if isinstance(output, tuple) else output).dtype))
+
+    hook = base.model.layers[0].register_forward_hook(record_dtype)
+    named = dict(trainer.backend.model.named_parameters())
+    # lora_A's gradient is exactly 0 while lora_B is still all zeros (peft's init): counted apart from lora_B's
+    kinds = {id(p): ("lora_A" if ".lora_A." in n else "lora_B") for n, p in named.items()
+             if id(p) in {id(q) for q in trainer.backend.parameter_groups()["policy"]}}
+    zero_shares = []
+    real_step = trainer.optimizer.step
+
+    def counting_step(*a, **k):
+        zeros, total = {"lora_A": 0, "lora_B": 0}, {"lora_A": 0, "lora_B": 0}
+        for group in trainer.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in kinds and p.grad is not None:
+                    zeros[kinds[id(p)]] += int((p.grad == 0).sum())
+                    total[kinds[id(p)]] += p.grad.numel()
+        zero_shares.append({k: round(zeros[k] / max(total[k], 1), 6) for k in zeros})
+        return real_step(*a, **k)
+
+    trainer.optimizer.step = counting_step
+    records, first = [], None
+    for _ in range(config.total_steps):
+        records.append(trainer.step())
+        if first is None:
+            first = dict(trainer.minibatch_stats[0])
+    hook.remove()
+    peak = memory(args.device)
+    plan = plan_for(trainer, shape, built["reward"])
+    dtypes = {"checkpoint": built.get("checkpoint_dtype"), "embed_tokens": str(base.model.embed_tokens.weight.dtype),
+              "final_norm": str(base.model.norm.weight.dtype), "lm_head": str(base.lm_head.weight.dtype),
+              "decoder_layer_output": seen.get("layer_output"),
+              "trainable": sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})}
+    phases = {k: [round(r[k], 2) for r in records] for k in records[0] if k.startswith("time/")}
+    out = {"config": "configs/llama2_7b/ma_ppo.yaml", "steps": config.total_steps, "load_s": round(load_s, 1),
+           "memory_after_load": loaded, "memory_peak": peak,
+           "planned": {"model_state_gib": gib(plan.model_state), "peak_gib": gib(plan.peak),
+                       "parts_gib": {k: gib(v) for k, v in plan.parts.items()}},
+           "dtypes": dtypes, "first_minibatch": {k: first[k] for k in first if k.startswith("policy/")},
+           "policy_lora_grad_zero_share": zero_shares, "seconds": phases,
+           "response_length": [r["response/length"] for r in records],
+           "kl_k1": [round(r["kl/k1"], 4) for r in records]}
+    checks = {"residual stream in bf16": all(dtypes[k] == "torch.bfloat16" for k in
+                                              ("embed_tokens", "final_norm", "lm_head", "decoder_layer_output"))
+              if cuda(args.device) else None,
+              "trainables in fp32": dtypes["trainable"] == ["torch.float32"],
+              "first ratio within 1e-2 of 1": abs(first["policy/ratio_mean"] - 1) <= RATIO_TOLERANCE
+              and abs(first["policy/ratio_max"] - 1) <= 10 * RATIO_TOLERANCE}
+    if peak["max_allocated_gib"] is not None:
+        checks[f"peak allocated within {PEAK_TOLERANCE:.0%} of plan"] = (
+            abs(peak["max_allocated_gib"] - out["planned"]["peak_gib"]) <= PEAK_TOLERANCE * out["planned"]["peak_gib"])
+    out["checks"] = checks
+    del trainer
+    free(args.device)
+    return out
+
+
+def free(device):
+    import gc
+
+    import torch
+
+    gc.collect()
+    if cuda(device):
+        torch.cuda.empty_cache()
+
+
+# ---- (b) sampling precision and speed --------------------------------------------------------------------------
+
+def perturb_policy(model, rms: float, seed: int = 0) -> float:
+    """Set every policy lora_B so that the LoRA update s·B·A has RMS `rms` per weight; returns the RMS reached."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    gen = torch.Generator().manual_seed(seed)
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and "policy" in m.lora_B]
+    with torch.no_grad():
+        for m in layers:
+            b = m.lora_B["policy"].weight
+            b.copy_(torch.randn(b.shape, generator=gen).to(b))
+        sq = n = 0
+        for m in layers:
+            delta = m.get_delta_weight("policy").float()
+            sq, n = sq + float((delta**2).sum()), n + delta.numel()
+        scale = rms / (sq / n) ** 0.5
+        for m in layers:
+            m.lora_B["policy"].weight.mul_(scale)
+        sq = sum(float((m.get_delta_weight("policy").float() ** 2).sum()) for m in layers)
+    return (sq / n) ** 0.5
+
+
+def logprob_gap(a, b, mask) -> float:
+    """Mean |a − b| over response tokens: `rollout/logprob_gap` when a is the sampler's, b the trainer's."""
+    return float(((a - b).abs() * mask).sum() / mask.sum())
+
+
+def part_sampling(args, built) -> dict:
+    import torch
+
+    from marlhf_edu.ppo.backends import sequence_logprobs
+    from marlhf_edu.ppo.merged_rollout import MergedPolicy
+
+    config = ppo_config(args, built, "sampling", ["--total_steps", "1"])
+    trainer = new_trainer(config)
+    backend = trainer.backend
+    reached = perturb_policy(backend.model, PERTURBATION_RMS)
+    prompts = trainer.batch_prompts(0)
+    torch.manual_seed(0)
+    r = trainer.rollout(prompts)  # sampled from the training path (adapter on the NF4 base)
+    m = r.response_mask.float()
+    ids, mask, n = r.input_ids, r.attention_mask, r.n_response
+
+    rows16 = torch.arange(len(ids), device=ids.device).split(config.forward_batch_size)
+
+    def train_logprobs(rows_per_forward, update_path=False):
+        """The training path's log-probs: under no_grad (as the rollout computes old log-probs), or as the update
+        computes them (grad on, inside `training_forward`: checkpointed layers)."""
+        out = []
+        for rows in torch.arange(len(ids), device=ids.device).split(rows_per_forward):
+            if update_path:
+                with torch.enable_grad(), backend.training_forward():
+                    lp = backend.policy_forward(ids[rows], mask[rows], n, config.temperature)[0]
+                out.append(lp.detach().float())
+            else:
+                with torch.no_grad():
+                    out.append(backend.policy_forward(ids[rows], mask[rows], n, config.temperature)[0].float())
+        return torch.cat(out)
+
+    old = r.logprobs.float()                # the rollout's old log-probs (rows of forward_batch_size, no grad)
+    update_1 = train_logprobs(config.micro_batch_size, update_path=True)  # what the update computes
+    nograd_1 = train_logprobs(1)
+    ref = r.ref_logprobs.float()
+    moved = ((old - ref) ** 2 * m).sum()
+    result = {"perturbation_rms": reached, "rollout_rows": len(ids), "response_tokens": int(m.sum()),
+              "policy_vs_reference_gap": logprob_gap(old, ref, m),
+              # the first minibatch's ratio is exp(update − old): 1 exactly only if these agree bit for bit
+              "old_vs_update_gap": logprob_gap(old, update_1, m),
+              "old_vs_update_max_abs": float(((old - update_1).abs() * m).max()),
+              "old_vs_nograd_micro_batch_1_gap": logprob_gap(old, nograd_1, m)}
+    from peft.tuners.lora import LoraLayer
+
+    from marlhf_edu.ppo.merged_rollout import dense_weight
+    for label, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        # weight level: how much of s·B·A survives in the merged copy's weights (first 8 LoRA layers)
+        errs = []
+        with torch.no_grad():
+            for mod in [x for x in backend.model.modules() if isinstance(x, LoraLayer) and "policy" in x.lora_B][:8]:
+                base_w = dense_weight(mod.get_base_layer(), dtype)
+                delta = mod.get_delta_weight("policy").float()
+                kept = (base_w + delta.to(dtype)).float() - base_w.float()
+                errs.append(float((kept - delta).norm() / delta.norm()))
+        merged = MergedPolicy(backend.model, "policy", dtype=dtype)
+        with torch.no_grad():
+            lp = torch.cat([sequence_logprobs(merged.model, ids[rows], mask[rows], n, config.temperature)[0].float()
+                            for rows in rows16])
+        delta = lp - old  # log π_sampler − log π_train, the same rows per forward, tokens sampled by the training path
+        result[f"merged_{label}"] = {
+            "delta_relative_error_in_weights": round(sum(errs) / len(errs), 4),
+            "logprob_gap": logprob_gap(lp, old, m),
+            "kl_per_response_k3": float(((torch.exp(delta) - 1 - delta) * m).sum(1).mean()),
+            "share_of_policy_move_kept": float(((lp - ref) * (old - ref) * m).sum() / moved),
+            "copy_gib": gib(merged.nbytes())}
+        del merged
+        free(args.device)
+    # speed: the same prompts sampled from the adapter path and from a bf16 (CUDA) merged copy
+    speed = {}
+    pids = backend.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(backend.device)
+    for label in ("adapter", "merged"):
+        if label == "merged":
+            backend.use_merged_rollout()
+        sync(args.device)
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = backend.generate(pids["input_ids"], pids["attention_mask"], max_new_tokens=config.max_new_tokens,
+                                   temperature=config.temperature)
+        sync(args.device)
+        new = out[:, pids["input_ids"].shape[1]:]
+        tokens = int((new != backend.tokenizer.pad_token_id).sum())
+        speed[label] = {"tokens": tokens, "seconds": round(time.perf_counter() - t, 2),
+                        "tokens_per_s": round(tokens / (time.perf_counter() - t), 1)}
+    backend._merged = None
+    free(args.device)
+    result["generate"] = speed
+    # one update at micro-batch 1 (the recipe) and at 4
+    updates = {}
+    for micro in (1, min(4, config.mini_batch_size)):
+        trainer.config.micro_batch_size = micro
+        reset_peak(args.device)
+        t = time.perf_counter()
+        trainer.update(r)
+        sync(args.device)
+        updates[f"micro_batch_{micro}"] = {"seconds": round(time.perf_counter() - t, 2), **memory(args.device)}
+    result["update"] = updates
+    result["checks"] = {"bf16 merged copy keeps >= 90 % of the policy's move":
+                        result["merged_bf16"]["share_of_policy_move_kept"] >= 0.9,
+                        "fp32 merged copy keeps >= 90 % of the policy's move":
+                        result["merged_fp32"]["share_of_policy_move_kept"] >= 0.9,
+                        "old log-probs equal the update's within 1e-2 (mean)":
+                        result["old_vs_update_gap"] <= RATIO_TOLERANCE}
+    del trainer, backend
+    free(args.device)
+    return result
+
+
+# ---- (c) the pipeline's stages ---------------------------------------------------------------------------------
+
+STAGE_RUNNER = """
+import json, resource, sys, time, torch
+sys.path.insert(0, {root!r})
+from marlhf_edu.cli import main
+t = time.perf_counter()
+code = main({argv!r})
+cuda = torch.cuda.is_available()
+print("GPU_CHECK " + json.dumps({{"code": code, "seconds": round(time.perf_counter() - t, 1),
+      "max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+      "max_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3) if cuda else None,
+      "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}}))
+"""
+
+MERGE_RUNNER = """
+import json, resource, sys, time
+sys.path.insert(0, {root!r})
+from marlhf_edu.sources import materialize_adapter
+t = time.perf_counter()
+path = materialize_adapter({adapter!r})
+print("GPU_CHECK " + json.dumps({{"seconds": round(time.perf_counter() - t, 1), "path": str(path),
+      "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}}))
+"""
+
+
+def run_child(code: str, env: dict, log: pathlib.Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    log.write_text(done.stdout + "\n---- stderr\n" + done.stderr)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("GPU_CHECK ")]
+    got = json.loads(lines[-1].removeprefix("GPU_CHECK ")) if lines else {}
+    if done.returncode != 0 or not lines or got.get("code") not in (0, None):
+        raise RuntimeError(f"a child failed (exit {done.returncode}, code {got.get('code')}); its log: {log}\n"
+                           f"{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
+    return got
+
+
+def disk_gib(path: pathlib.Path) -> float:
+    return gib(sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file()))
+
+
+def stage_pipeline(args, built, out: pathlib.Path, path: pathlib.Path):
+    """The 7B pipeline file with the check's model, data, step counts (and `--reduced` shapes), and the env."""
+    from marlhf_edu.stages.smoke import write_pipeline
+
+    work = pathlib.Path(args.work)
+    gpu = cuda(args.device)
+    train = dict(dataset_name=str(built["data"]), max_steps=args.steps, save_steps=args.steps, logging_steps=1)
+    if not gpu:
+        train["use_cpu"] = True
+    if args.reduced:
+        train.update(per_device_train_batch_size=2, gradient_accumulation_steps=1, max_length=64, max_tokens=64)
+    overrides = {"sft": dict(model_name_or_path=str(built["model"]), output_dir=str(out / "sft"), **train),
+                 "rm": dict(output_dir=str(out / "rm"), eval_pairs=args.eval_pairs, **train),
+                 "ma-ppo": dict(dataset_name=str(built["data"]), device=args.device, total_steps=min(args.steps, 2),
+                                output_dir=str(out / "ma_ppo"), save_steps=1000)}
+    if args.reduced:
+        overrides["rm"]["per_device_eval_batch_size"] = 4
+        overrides["ma-ppo"].update(batch_size=4, mini_batch_size=2, forward_batch_size=4, max_new_tokens=8)
+    pipeline = write_pipeline(path, overrides, ROOT)
+    env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "MARLHF_EDU_CACHE": str(work / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return pipeline, env
+
+
+def part_stages(args, built) -> dict:
+    work = pathlib.Path(args.work)
+    out = work / "stages_run"
+    cache = work / "cache"
+    pipeline, env = stage_pipeline(args, built, out, work / "stages.yaml")
+    overrides = json.loads(json.dumps(__import__("yaml").safe_load(pipeline.read_text())["overrides"]))
+    result = {"overrides": overrides, "stages": {}}
+    for stage in ("sft", "merge", "rm", "ma-ppo"):
+        print(f"gpu_check stages: {stage}", flush=True)
+        if stage == "merge":  # the SFT adapter merged into its base once, as rm and ma-ppo then read it
+            got = run_child(MERGE_RUNNER.format(root=str(ROOT), adapter=str(out / "sft")), env, work / "merge.log")
+            got["disk_gib"] = disk_gib(pathlib.Path(got.pop("path")))
+        else:
+            argv = ["pipeline", "--config", str(pipeline), "--stages", stage]
+            got = run_child(STAGE_RUNNER.format(root=str(ROOT), argv=argv), env, work / f"{stage}.log")
+        result["stages"][stage] = got
+    result["disk_gib"] = {"run": disk_gib(out), "merge_cache": disk_gib(cache), "model": disk_gib(built["model"])}
+    result["checks"] = {"every stage finished": all(s.get("code", 0) in (0, None) for s in result["stages"].values())}
+    return result
+
+
+PIPELINE_RUNNER = """
+import importlib, json, sys, time, torch
+sys.path.insert(0, {root!r})
+from marlhf_edu.stages.pipeline import STAGES
+seen = []
+for name, (module_name, kind) in [(k, v) for k, v in STAGES.items() if k != "ppo"]:  # the 7B pipeline: sft, rm, ma-ppo
+    module = importlib.import_module(module_name)
+    def wrapped(*a, _main=module.main, _name=name, **k):
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+        row = {{"stage": _name, "allocated_at_start_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if cuda else None}}
+        t = time.perf_counter()
+        out = _main(*a, **k)
+        row.update(seconds=round(time.perf_counter() - t, 1),
+                   max_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+                   allocated_at_end_gib=round(torch.cuda.memory_allocated() / 2**30, 3) if cuda else None)
+        seen.append(row)
+        return out
+    module.main = wrapped
+from marlhf_edu.cli import main
+code = main({argv!r})
+print("GPU_CHECK " + json.dumps({{"code": code, "stages": seen}}))
+"""
+
+
+def part_pipeline(args, built) -> dict:
+    """The whole pipeline in one process, as `marlhf-edu pipeline` runs it: GPU memory still allocated when each
+    stage starts (what the previous stages left behind) and each stage's peak."""
+    work = pathlib.Path(args.work)
+    pipeline, env = stage_pipeline(args, built, work / "pipeline_run", work / "pipeline.yaml")
+    got = run_child(PIPELINE_RUNNER.format(root=str(ROOT), argv=["pipeline", "--config", str(pipeline)]), env,
+                    work / "pipeline.log")
+    leftover = [s["allocated_at_start_gib"] for s in got["stages"][1:]]
+    return {"stages": got["stages"], "checks": {
+        "every stage finished": got["code"] in (0, None) and len(got["stages"]) == 3,
+        "each stage starts with < 0.5 GiB left by the ones before": all(x < 0.5 for x in leftover)
+        if cuda(args.device) else None}}
+
+
+# ---- driver -----------------------------------------------------------------------------------------------------
+
+PARTS = {"ppo": part_ppo, "sampling": part_sampling, "stages": part_stages, "pipeline": part_pipeline}
+
+
+def machine(device) -> dict:
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
+    for name in ("transformers", "peft", "bitsandbytes", "trl"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as e:  # noqa: BLE001 - recorded, not fatal
+            info[name] = f"unavailable: {e.__class__.__name__}"
+    if cuda(device):
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_gib=gib(p.total_memory), cuda=torch.version.cuda)
+    return info
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="+", choices=sorted(PARTS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu_check.json"))
+    parser.add_argument("--work", default="/tmp/gpu_check")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--eval_pairs", type=int, default=64)
+    parser.add_argument("--reduced", action="store_true", help="a tiny model of the same family (the CPU test)")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not cuda(args.device):
+        raise SystemExit("gpu_check: no CUDA device here; pass --device cpu --reduced to check the tool itself")
+    out = pathlib.Path(args.out)
+    record = json.loads(out.read_text()) if out.exists() else {}
+    t = time.perf_counter()
+    built = build(args)
+    record["machine"] = machine(args.device)
+    record["model"] = {"shape": built["shape"], "checkpoint_dtype": built.get("checkpoint_dtype"),
+                       "build_s": built.get("build_s"), "reduced": args.reduced}
+    for part in args.parts:
+        print(f"gpu_check: {part}", flush=True)
+        start = time.perf_counter()
+        try:
+            section = PARTS[part](args, built)
+        except Exception as e:  # a part that fails is recorded as failed; the others still run
+            import traceback
+
+            section = {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()[-4000:],
+                       "checks": {"ran": False}}
+        section["wall_s"] = round(time.perf_counter() - start, 1)
+        section["command"] = "python tools/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        section["date"] = time.strftime("%Y-%m-%d")
+        record[part] = section
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1) + "\n")  # after every part: a later failure loses nothing
+        for name, ok in section["checks"].items():
+            print(f"  {'PASS' if ok else 'n/a ' if ok is None else 'FAIL'}  {part}: {name}", flush=True)
+    print(f"gpu_check: done in {time.perf_counter() - t:.0f} s, record in {out}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
