@@ -63,5 +63,18 @@ def test_the_committed_gpu_record_is_whole():
     """The H100 record has every part, its machine, and each part's command."""
     gpu = json.loads((ROOT / "benchmarks" / "gpu_check.json").read_text())
     assert gpu["machine"]["gpu"].startswith("NVIDIA") and gpu["model"]["reduced"] is False
-    for part in ("ppo", "sampling", "stages", "pipeline"):
+    for part in ("ppo", "sampling", "sampling_after_fix", "stages", "pipeline"):
         assert "error" not in gpu[part] and gpu[part]["command"].startswith("python tools/gpu_check.py")
+    assert gpu["sampling_after_fix"]["old_vs_update_gap"] == 0.0  # the rollout's rows equal the update's
+
+
+def test_a_record_from_another_machine_is_not_merged(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    out = tmp_path / "record.json"
+    out.write_text(json.dumps({"machine": {"gpu": "elsewhere"}, "about": "a note", "ppo": {"checks": {}}}))
+    gpu_check.main(["ppo", "--device", "cpu", "--reduced", "--rows", "64", "--work", str(tmp_path / "w"),
+                    "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert "about" not in record and record["machine"].get("gpu") is None and "error" not in record["ppo"]

@@ -215,3 +215,43 @@ def test_merged_copy_of_a_tied_model_stays_tied():
     ids = torch.randint(0, 300, (3, 10))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-4, rtol=0)
+
+
+# ---- what a GPU changes: batch shapes and a separate sampler (issue 34) ------------------------------------------
+
+def test_old_logprobs_are_computed_in_the_updates_rows_per_forward(tmp_path, prompts):
+    """bf16 kernels round differently for different batch shapes (H100, 7B: 16 rows vs 1 differ by 0.033 per token
+    on average, benchmarks/gpu_check.json), so the rollout computes the old log-probs in micro_batch_size rows, as
+    the update does: the first minibatch's ratio is then exactly 1 on a GPU too."""
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, micro_batch_size=2)
+    rows, real = [], trainer.backend.policy_forward
+
+    def recording(input_ids, *a, **k):
+        rows.append(input_ids.shape[0])
+        return real(input_ids, *a, **k)
+
+    trainer.backend.policy_forward = recording
+    trainer.rollout(trainer.batch_prompts(0))
+    assert rows == [2] * 4  # 8 rollouts, forward_batch_size 8, micro_batch_size 2
+
+
+def test_a_separate_sampler_logs_its_gap_to_the_training_path(tmp_path, prompts):
+    """`rollout/logprob_gap`: mean |log π_sampler − log π_train| over response tokens, when sampling from the merged
+    copy; absent when the policy samples itself."""
+    plain = build(tmp_path / "plain", MultiAdapterBackend, prompts, load_in_4bit=True)
+    assert "rollout/logprob_gap" not in plain.step()
+    trainer = build(tmp_path / "merged", MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=True)
+    peft_model, adapter = trainer.backend.lora_policy()
+    _perturb_policy(peft_model, adapter)
+    trainer.backend.policy_changed()
+    r = trainer.rollout(trainer.batch_prompts(0))
+    m = r.response_mask
+    with torch.no_grad():
+        sampler, _ = sequence_logprobs(trainer.backend.sampling_model(), r.input_ids, r.attention_mask, r.n_response, 1.0)
+    expected = float(((sampler - r.logprobs).abs() * m).sum() / m.sum())
+    assert float(r.logprob_gap) == pytest.approx(expected, rel=1e-3, abs=1e-9)
+    assert 0 <= float(r.logprob_gap) < LOGPROB_TOLERANCE  # fp32 on CPU: the copy equals the training path
+    # it measures the copy it sampled from: a stale copy (the perturbation not merged in) shows a large gap
+    trainer.backend._merged.stale = False
+    _perturb_policy(peft_model, adapter, seed=4)
+    assert trainer.rollout_stats(trainer.rollout(trainer.batch_prompts(1)))["rollout/logprob_gap"] > 10 * LOGPROB_TOLERANCE

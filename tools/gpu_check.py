@@ -2,31 +2,35 @@
 
     python tools/gpu_check.py ppo          # (a) 3 MA-PPO steps of configs/llama2_7b/ma_ppo.yaml at full shape
     python tools/gpu_check.py sampling     # (b) the merged sampler against the training path; speed; micro-batch
-    python tools/gpu_check.py stages       # (c) SFT, the merge, RM, MA-PPO at full shape, a few steps each
-    python tools/gpu_check.py ppo sampling stages --out benchmarks/gpu_check.json
+    python tools/gpu_check.py stages       # (c) SFT, the merge, RM, MA-PPO at full shape, each in its own process
+    python tools/gpu_check.py pipeline     # (d) the same stages in one process, as `marlhf-edu pipeline` runs them
+    python tools/gpu_check.py ppo sampling stages pipeline --out my_gpu.json
 
 Offline: the model is a random Llama with Llama-2-7B's full shape (32 layers, 4096 wide, 32,000 tokens), saved
 in float16 as the real checkpoint is, with a random reward adapter of the recipe's shape (LoRA r = 32 on q/k/v/o
 and a score head) and rows in PKU-SafeRLHF's schema written in its synthetic tokenizer's words; the stage configs
 are the recipe's own (`configs/llama2_7b/*.yaml`), only paths, data and step counts changed. What a random model
-says means nothing; its memory, time, dtypes and numerics are those of the real one. Each part takes under 10
-minutes on one 80 GB GPU (the model is built once per --work folder) and adds its section to `--out`, each
-measurement next to its pass line:
+says means nothing; its memory, time and dtypes are those of the real one, while its numerics are likely more
+sensitive (near-uniform outputs, 32 random layers). Each part takes under 10 minutes on one 80 GB GPU (the model is
+built once per --work folder) and adds its section to `--out` (default benchmarks/gpu_check.json, the book's
+record; a record from another machine is started afresh, not merged), each measurement next to its pass line:
 
 (a) `ppo`: peak allocated memory within 15 % of the planner's peak; the residual stream (embeddings, norms, LM
     head, a decoder layer's output) in bf16; the first minibatch's ratio within 1e-2 of 1 and its approxkl; the
     share of policy LoRA gradient entries that are exactly zero; seconds per phase; sampled tokens/s.
-(b) `sampling`: after a LoRA perturbation of the size of early updates (RMS of s·B·A = 1e-4 per weight), the
-    log-prob gap |log π_sampler − log π_train| per response token and the KL per response for a bf16 and an fp32
-    merged copy, and the share of the policy's move (away from the reference) that each copy keeps; the log-prob
-    gap between the batch-16 rollout forward and the micro-batch-1 update forward; merged vs adapter tokens/s; one
-    update at micro-batch 1 and 4 (seconds, peak).
+(b) `sampling`: after a LoRA perturbation (RMS of s·B·A = 1e-4 per weight), the log-prob gap
+    |log π_sampler − log π_train| per response token and the KL per response for a bf16 and an fp32 merged copy,
+    each computed in the same rows per forward as the rollout's old log-probs, the update's error in each copy's
+    weights, and the regression slope of the copy's shift from the reference on the policy's (1 = it moved as
+    the policy did; noise in either biases it below 1); the gap between the rollout's old log-probs and the
+    update's; merged vs adapter tokens/s; one update at micro-batch 1 and 4 (seconds, peak).
 (c) `stages`: each stage in its own process through `marlhf-edu pipeline --stages NAME` (the SFT adapter merged
     once in its own process first): per-stage peak GPU memory, seconds, peak host RAM, the merge's seconds, RAM
     and disk, and the run's disk.
+(d) `pipeline`: the same stages in one process: GPU memory still allocated when each stage starts.
 
 `--reduced` runs the same code on a tiny model of the same family (2 layers, width 128) so that the test suite
-runs all three parts on CPU (tests/test_gpu_check.py); its numbers check the tool, not a GPU. Documented in
+runs all four parts on CPU (tests/test_gpu_check.py); its numbers check the tool, not a GPU. Documented in
 chapter 15 and site/benchmarks.md.
 """
 
@@ -337,7 +341,8 @@ def part_sampling(args, built) -> dict:
     m = r.response_mask.float()
     ids, mask, n = r.input_ids, r.attention_mask, r.n_response
 
-    rows16 = torch.arange(len(ids), device=ids.device).split(config.forward_batch_size)
+    # the copies' log-probs in the rows per forward the rollout used for the old ones (micro_batch_size)
+    rows_old = torch.arange(len(ids), device=ids.device).split(config.micro_batch_size)
 
     def train_logprobs(rows_per_forward, update_path=False):
         """The training path's log-probs: under no_grad (as the rollout computes old log-probs), or as the update
@@ -379,7 +384,7 @@ def part_sampling(args, built) -> dict:
         merged = MergedPolicy(backend.model, "policy", dtype=dtype)
         with torch.no_grad():
             lp = torch.cat([sequence_logprobs(merged.model, ids[rows], mask[rows], n, config.temperature)[0].float()
-                            for rows in rows16])
+                            for rows in rows_old])
         delta = lp - old  # log π_sampler − log π_train, the same rows per forward, tokens sampled by the training path
         result[f"merged_{label}"] = {
             "delta_relative_error_in_weights": round(sum(errs) / len(errs), 4),
@@ -593,7 +598,11 @@ def main(argv=None) -> dict:
     record = json.loads(out.read_text()) if out.exists() else {}
     t = time.perf_counter()
     built = build(args)
-    record["machine"] = machine(args.device)
+    here = machine(args.device)
+    if record.get("machine") != here:  # parts measured elsewhere are not mixed with this machine's
+        record = {}
+    record.pop("about", None)  # a hand-written note on how an earlier record was assembled no longer holds
+    record["machine"] = here
     record["model"] = {"shape": built["shape"], "checkpoint_dtype": built.get("checkpoint_dtype"),
                        "build_s": built.get("build_s"), "reduced": args.reduced}
     for part in args.parts:

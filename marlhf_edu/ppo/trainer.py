@@ -41,7 +41,7 @@ from marlhf_edu.data.template import template_for
 from marlhf_edu.gae import gae_advantages
 from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
 from marlhf_edu.masked import masked_mean, masked_var, masked_whiten
-from marlhf_edu.ppo.backends import PPOBackend
+from marlhf_edu.ppo.backends import PPOBackend, sequence_logprobs
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
@@ -109,6 +109,7 @@ class Rollout:
     advantages: torch.Tensor
     returns: torch.Tensor
     reward_model_scores: torch.Tensor | None = None  # (B,) the reward model's, when `reward_fn` is the reward
+    logprob_gap: torch.Tensor | None = None  # mean |log π_sampler − log π_train| per response token (merged_rollout)
 
     @property
     def n_response(self) -> int:
@@ -263,14 +264,31 @@ class PPOTrainer:
                 raw_scores = torch.tensor(self.reward_fn(dp.shard(prompts), texts), dtype=torch.float32,
                                           device=raw_scores.device)
 
+        # the old log-probs in the update's own rows per forward (micro_batch_size), since the first minibatch's
+        # ratio is exp(new - old): GPU kernels can round differently for different batch shapes. On an H100 at 7B,
+        # 16 rows vs 1 differed by 0.033 per token on average (0.16 at most) once the LoRA was not zero; with these
+        # rows the difference measured 0.0 (benchmarks/gpu_check.json)
+        micro = [slice(c.start + m.start, c.start + m.stop) for c in chunks
+                 for m in self._chunks(c.stop - c.start, cfg.micro_batch_size)]
         logprobs, values, entropy, ref_logprobs = [], [], [], []
-        for c in chunks:
+        for rows in micro:
             with self.timer("policy"):
-                lp, v, ent = be.policy_forward(input_ids[c], attention_mask[c], R, cfg.temperature, with_entropy=True)
+                lp, v, ent = be.policy_forward(input_ids[rows], attention_mask[rows], R, cfg.temperature,
+                                               with_entropy=True)
             logprobs.append(lp); values.append(v); entropy.append(ent)
+        for c in chunks:
             with self.timer("reference"):
                 ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
         logprobs, values, entropy, ref_logprobs = (torch.cat(x).float() for x in (logprobs, values, entropy, ref_logprobs))
+        logprob_gap = None
+        if be.sampling_model() is not be.policy_model:  # sampled from a separate copy (merged_rollout)
+            with self.timer("policy"):  # the copy's log-probs in the same rows, so batch shape adds nothing
+                sampled = torch.cat([sequence_logprobs(be.sampling_model(), input_ids[rows], attention_mask[rows], R,
+                                                       cfg.temperature)[0] for rows in micro]).float()
+            # the training-inference mismatch: tokens drawn from the copy, trained on as if from the policy
+            total, count = dp.gather(torch.stack([_masked_sum((sampled - logprobs).abs(), response_mask).sum(),
+                                                  response_mask.sum().float()])[None]).sum(0)
+            logprob_gap = total / count.clamp_min(1.0)
         # from here on: the global batch, the same on every rank (one process: the tensors as they are)
         input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values, entropy, ref_logprobs = (
             dp.gather(x) for x in (input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values,
@@ -284,7 +302,7 @@ class PPOTrainer:
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, response_mask)
         return Rollout(input_ids, attention_mask, response_mask, raw_scores, scores, has_eos, logprobs, ref_logprobs,
-                       values, entropy, rewards, kls, advantages, returns, rm_scores)
+                       values, entropy, rewards, kls, advantages, returns, rm_scores, logprob_gap)
 
     def transform_scores(self, raw: torch.Tensor, has_eos: torch.Tensor) -> torch.Tensor:
         """Missing-EOS penalty, baseline, group baseline, whitening, clipping — in that order, each only if configured."""
@@ -392,6 +410,7 @@ class PPOTrainer:
             "response/length": float(m.sum(1).float().mean()),
             "response/no_eos_rate": float((~r.has_eos).float().mean()),
             **eos_split_scores(r.raw_scores, r.has_eos),
+            **({} if r.logprob_gap is None else {"rollout/logprob_gap": float(r.logprob_gap)}),
             # under `reward_fn` (the positive control) the reward model is logged beside what PPO optimises
             **({} if r.reward_model_scores is None else {
                 "score/reward_model_mean": float(r.reward_model_scores.mean()),
