@@ -115,7 +115,8 @@ def keep_trainable_dtype(model: torch.nn.Module, dtype: torch.dtype = torch.floa
     when they wrap it (the QLoRA paper's recipe), whatever `bf16` says. With fp32 compute (our CPU configs) a
     bf16 score head then meets fp32 hidden states outside the trainer, and bf16 adapters round every update.
     Called right after the trainer is built (its optimizer is created later, from these parameters); the
-    stages call it when the config's `dtype` is float32. Taught in chapter 13.
+    SFT and reward stages call it for every LoRA run whatever the compute dtype (on a GPU, bf16 entries of an
+    adapter or score head would mostly not move at lr 2e-5, issue 34) and for fp32 runs. Taught in chapter 13.
     """
     cast = 0
     for param in model.parameters():

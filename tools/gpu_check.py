@@ -103,13 +103,12 @@ def memory(device) -> dict:
 def build(args) -> dict:
     """A random model of the shape, saved in float16 like Llama-2-7b-hf, its tokenizer, a random reward adapter
     (LoRA r = 32 on q/k/v/o + score head, SEQ_CLS) and PKU-SafeRLHF-schema rows; reused when already in --work."""
-    import random
-
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForSequenceClassification, LlamaForCausalLM
 
-    from marlhf_edu.memory.check import synthetic_tokenizer
+    from marlhf_edu.memory.check import random_llama_config, synthetic_tokenizer
+    from marlhf_edu.stages.smoke import pku_schema_rows
 
     work = pathlib.Path(args.work)
     paths = {"model": work / "model", "reward": work / "reward", "data": work / "pku_saferlhf.jsonl"}
@@ -119,11 +118,7 @@ def build(args) -> dict:
     shape = shape_for(args)
     start = time.perf_counter()
     tokenizer = synthetic_tokenizer(shape.vocab_size)
-    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.kv_heads,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, max_position_embeddings=4096)
+    config = random_llama_config(shape, tokenizer)
     torch.manual_seed(0)
     # initialised on the GPU when there is one (a 7B random init on CPU takes minutes), saved in float16
     with torch.device("cuda" if cuda(args.device) else "cpu"):
@@ -150,21 +145,10 @@ def build(args) -> dict:
             module._parameters[attr] = torch.nn.Parameter(value, requires_grad=True)
     peft.peft_config["default"].base_model_name_or_path = str(paths["model"])
     peft.save_pretrained(str(paths["reward"]))
-    # rows in PKU-SafeRLHF's schema: prompts of 20-50 words, answers of 100-250 (the recipe's 64 + 256 tokens)
-    rng = random.Random(0)
-
-    def words(lo, hi):
-        return " ".join(f"w{rng.randrange(4, shape.vocab_size)}" for _ in range(rng.randrange(lo, hi)))
-
-    prompt, answer = ((5, 15), (10, 40)) if args.reduced else ((20, 50), (100, 240))
-    rows = []
-    for _ in range(args.rows):
-        safe = [rng.random() < 0.6, rng.random() < 0.6]
-        rows.append({"prompt": words(*prompt), "response_0": words(*answer), "response_1": words(*answer),
-                     "prompt_source": "synthetic", "response_0_source": "synthetic", "response_1_source": "synthetic",
-                     "is_response_0_safe": safe[0], "is_response_1_safe": safe[1],
-                     "response_0_severity_level": 0 if safe[0] else 2, "response_1_severity_level": 0 if safe[1] else 1,
-                     "better_response_id": rng.randrange(2), "safer_response_id": rng.randrange(2)})
+    # rows in PKU-SafeRLHF's schema: prompts of 20-50 words, answers of 100-240 (the recipe's 64 + 256 tokens)
+    lengths = dict(prompt_words=(5, 15), answer_words=(10, 40)) if args.reduced else dict(prompt_words=(20, 50),
+                                                                                         answer_words=(100, 240))
+    rows = pku_schema_rows(args.rows, vocab_size=shape.vocab_size, **lengths)
     paths["data"].write_text("".join(json.dumps(r) + "\n" for r in rows))
     meta = {"build_s": round(time.perf_counter() - start, 1), "shape": vars(shape),
             "checkpoint_dtype": json.loads((paths["model"] / "config.json").read_text()).get("dtype")

@@ -70,6 +70,18 @@ def synthetic_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
+def random_llama_config(shape: ModelShape, tokenizer, max_position_embeddings: int = 512):
+    """The `LlamaConfig` of a random model of `shape` that uses `tokenizer`'s special tokens."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                       intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
+                       num_attention_heads=shape.num_heads, num_key_value_heads=shape.kv_heads,
+                       tie_word_embeddings=shape.tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       max_position_embeddings=max_position_embeddings)
+
+
 def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_targets=None, seed: int = 0,
                        reward: bool = True, dtype=None):
     """Save a random Llama of `shape` (causal LM + tokenizer; fp32, or `dtype`) in `out_dir/model` and, with
@@ -77,19 +89,14 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
     (the second is None without `reward`)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForSequenceClassification, LlamaForCausalLM
 
     from marlhf_edu.quantization import load_nf4
 
     out_dir = pathlib.Path(out_dir)
     model_dir, reward_dir = out_dir / "model", out_dir / "reward"
     tokenizer = synthetic_tokenizer(shape.vocab_size)
-    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                         intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_layers,
-                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.kv_heads,
-                         tie_word_embeddings=shape.tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         max_position_embeddings=512)
+    config = random_llama_config(shape, tokenizer)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(dtype or torch.float32).save_pretrained(str(model_dir))
     tokenizer.save_pretrained(str(model_dir))

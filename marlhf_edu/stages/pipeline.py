@@ -181,8 +181,6 @@ def trl_checkpoint_problem(folder: pathlib.Path) -> str | None:
     """None when a trl `checkpoint-N` folder is complete, else what is missing. The Trainer writes the weights,
     then the optimizer, scheduler and RNG state, and `trainer_state.json` last: a stage killed while saving leaves
     a folder without it (or with it cut short), which a resume would load half of."""
-    import json
-
     try:
         json.loads((folder / "trainer_state.json").read_text())
     except (OSError, ValueError):
@@ -266,8 +264,6 @@ def release_memory() -> None:
 
 
 def main(argv: list[str] | None = None):
-    import sys
-
     from marlhf_edu.stages.common import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -205,9 +205,8 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
             probe_eval = evaluate_reward_model(model, tokenizer, held_out)
     trainer = RewardTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config)
-    # trl casts QLoRA's trainable weights to bf16 (marlhf_edu.quantization); adapters and heads stay fp32 whatever
-    # the compute dtype: with Adam-sized steps at lr 2e-5 most bf16 entries of a LoRA matrix or score head would not
-    # move (issue 34). A whole model trained in bf16 (no LoRA) is left in the dtype asked for.
+    # trl casts QLoRA's trainable weights to bf16: adapters and heads go back to fp32 (see keep_trainable_dtype); a
+    # whole model trained in bf16 (no LoRA) is left in the dtype asked for
     if model_args.use_peft or dtype is torch.float32:
         keep_trainable_dtype(trainer.model)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes

@@ -71,9 +71,8 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     keep_nf4_trainable(model)  # a 4-bit base must stay trainable after trl's no-grad evaluations (chapter 10)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=get_peft_config(model_args))
-    # trl casts QLoRA's trainable weights to bf16 (marlhf_edu.quantization); adapters and heads stay fp32 whatever
-    # the compute dtype: with Adam-sized steps at lr 2e-5 most bf16 entries of a LoRA matrix or score head would not
-    # move (issue 34). A whole model trained in bf16 (no LoRA) is left in the dtype asked for.
+    # trl casts QLoRA's trainable weights to bf16: adapters and heads go back to fp32 (see keep_trainable_dtype); a
+    # whole model trained in bf16 (no LoRA) is left in the dtype asked for
     if model_args.use_peft or torch_dtype(model_args) is torch.float32:
         keep_trainable_dtype(trainer.model)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes

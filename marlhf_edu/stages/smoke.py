@@ -16,8 +16,10 @@ import random
 from dataclasses import replace
 
 
-def pku_schema_rows(n: int, seed: int = 0, vocab_size: int = 32000) -> list[dict]:
-    """`n` rows with PKU-SafeRLHF's fields, their texts made of the synthetic tokenizer's words (`w4` … )."""
+def pku_schema_rows(n: int, seed: int = 0, vocab_size: int = 32000, prompt_words: tuple[int, int] = (5, 20),
+                    answer_words: tuple[int, int] = (3, 20)) -> list[dict]:
+    """`n` rows with PKU-SafeRLHF's fields, their texts made of the synthetic tokenizer's words (`w4` … ); each
+    prompt and answer has a number of words drawn from `range(*prompt_words)` / `range(*answer_words)`."""
     rng = random.Random(seed)
 
     def words(k):
@@ -26,8 +28,8 @@ def pku_schema_rows(n: int, seed: int = 0, vocab_size: int = 32000) -> list[dict
     rows = []
     for _ in range(n):
         safe = [rng.random() < 0.6, rng.random() < 0.6]
-        rows.append({"prompt": words(rng.randrange(5, 20)), "response_0": words(rng.randrange(3, 20)),
-                     "response_1": words(rng.randrange(3, 20)), "prompt_source": "synthetic",
+        rows.append({"prompt": words(rng.randrange(*prompt_words)), "response_0": words(rng.randrange(*answer_words)),
+                     "response_1": words(rng.randrange(*answer_words)), "prompt_source": "synthetic",
                      "response_0_source": "synthetic", "response_1_source": "synthetic",
                      "is_response_0_safe": safe[0], "is_response_1_safe": safe[1],
                      "response_0_severity_level": 0 if safe[0] else 2, "response_1_severity_level": 0 if safe[1] else 1,
