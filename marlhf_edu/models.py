@@ -70,6 +70,52 @@ def tiny_llama(tokenizer, seed: int = 0, **overrides):
     return LlamaForCausalLM(config)
 
 
+LOAD_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def resolve_device(device: str = "auto") -> str:
+    """`'auto'` → `'cuda'` when a GPU is visible, else `'cpu'`; `'cpu'`, `'cuda'`, `'cuda:N'` as given. A CUDA
+    device that this machine does not have is refused here, before any model is read."""
+    import torch
+
+    from marlhf_edu.stages.common import ConfigError
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise ConfigError(f"--device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is visible to torch here; use --device cpu")
+    return device
+
+
+def loading_kwargs(device: str = "auto", dtype: str = "auto", load_in_4bit: bool = False) -> dict:
+    """`from_pretrained` arguments that load a model for inference where a GPU user expects it (issue 34).
+
+    On CUDA the whole model goes to that one GPU (`device_map`), in bf16 under `dtype='auto'` whatever the
+    checkpoint says (Llama-2-7b-hf is saved in float16), or as an NF4 base with bf16 compute under
+    `load_in_4bit` (chapter 10; `quantization.nf4_loading_kwargs`). On the CPU, `dtype='auto'` keeps the
+    checkpoint's own dtype and adds nothing: the book's CPU models load exactly as before. Used by
+    `marlhf-edu evaluate` and `generate` (chapter 15).
+    """
+    import torch
+
+    from marlhf_edu.quantization import nf4_loading_kwargs
+    from marlhf_edu.stages.common import ConfigError
+
+    if dtype not in LOAD_DTYPES:
+        raise ConfigError(f"--dtype must be one of {LOAD_DTYPES}, got {dtype!r}")
+    device = resolve_device(device)
+    if load_in_4bit:
+        return nf4_loading_kwargs(device)
+    kwargs = {} if device == "cpu" else {"device_map": {"": device}}
+    if dtype != "auto":
+        kwargs["dtype"] = getattr(torch, dtype)
+    elif device != "cpu":
+        kwargs["dtype"] = torch.bfloat16
+    return kwargs
+
+
 def load_sft_model(path: pathlib.Path | str = SFT_DIR, **from_pretrained_kwargs):
     """The shipped tiny SFT model and its tokenizer: `(LlamaForCausalLM, tokenizer)`, in eval mode.
 

@@ -120,24 +120,35 @@ def test_four_model_full_fine_tuning_on_two_ranks_equals_one_process(tmp_path):
 
 def test_the_whole_pipeline_runs_on_two_ranks(tmp_path):
     """`marlhf-edu pipeline` under `accelerate launch`: trl's SFT and reward trainers and the PPO engine each run
-    data-parallel on the same two processes; rank 0 writes the stage markers."""
+    data-parallel on the same two processes; rank 0 writes the stage markers. The SFT stage trains a LoRA on the
+    shipped tiny model, as the 7B recipe does, so the reward and PPO stages load it merged into its base: one merge
+    (rank 0's, issue 34) in the model cache, and the adapter's recorded base intact."""
     import yaml
 
     out = tmp_path / "run"
     spec = {"stages": {"sft": "configs/tiny_sft.yaml", "rm": "configs/tiny_rm.yaml", "ma-ppo": "configs/tiny_ma_ppo.yaml"},
             "overrides": {
-                "sft": {"max_steps": 2, "per_device_train_batch_size": 4, "output_dir": str(out / "sft")},
+                "sft": {"max_steps": 2, "per_device_train_batch_size": 4, "output_dir": str(out / "sft"),
+                        "model_name_or_path": "zoo", "use_peft": True, "lora_r": 4, "lora_alpha": 8,
+                        "lora_target_modules": ["q_proj", "v_proj"], "learning_rate": 1e-3},
                 "rm": {"max_steps": 2, "per_device_train_batch_size": 4, "eval_pairs": 8, "output_dir": str(out / "rm")},
                 "ma-ppo": {"total_steps": 1, "batch_size": 8, "mini_batch_size": 4, "micro_batch_size": 2,
                            "forward_batch_size": 4, "max_new_tokens": 8, "eval_repeats": 0,
                            "rollout_seeding": "per_chunk", "output_dir": str(out / "ma_ppo")}}}
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    done = _run([str(ACCELERATE), "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml", "--main_process_port",
-                 str(_free_port()), "-m", "marlhf_edu.cli", "pipeline", "--config", str(path)])
+    cache = tmp_path / "cache"
+    done = subprocess.run([str(ACCELERATE), "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
+                           "--main_process_port", str(_free_port()), "-m", "marlhf_edu.cli", "pipeline", "--config",
+                           str(path)], cwd=ROOT, env={**_env(), "MARLHF_EDU_CACHE": str(cache)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     for stage, sub in (("sft", "sft"), ("rm", "rm"), ("ma-ppo", "ma_ppo")):
         assert json.loads((out / sub / "pipeline_stage.json").read_text())["stage"] == stage
     assert done.stdout.count("pipeline: sft starts") == 2  # both ranks ran every stage
+    assert json.loads((out / "sft" / "adapter_config.json").read_text())["base_model_name_or_path"] == "zoo"
+    merged = [p.name for p in (cache / "merged").iterdir()]
+    assert len([m for m in merged if m.startswith("sft-") and not m.endswith(".lock")]) == 1, merged
     state = json.loads((out / "ma_ppo" / "checkpoints" / "step-000001" / "state.json").read_text())
     assert state["world_size"] == 2 and len(_records(out / "ma_ppo")) == 1
 

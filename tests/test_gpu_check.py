@@ -54,18 +54,23 @@ def test_the_sampling_part_sees_bf16_rounding_of_the_lora_update(record):
 
 
 def test_the_stage_parts_run_every_stage(record):
-    assert set(record["stages"]["stages"]) == {"sft", "merge", "rm", "ma-ppo"}
+    assert set(record["stages"]["stages"]) == {"sft", "merge", "rm", "ma-ppo", "evaluate", "export_merge"}
     assert record["stages"]["stages"]["merge"]["disk_gib"] > 0
     assert [s["stage"] for s in record["pipeline"]["stages"]] == ["sft", "rm", "ma-ppo"]
+    after = record["stages"]["stages"]
+    assert after["evaluate"]["code"] == 0 and after["export_merge"]["code"] == 0
+    assert after["export_merge"]["agreement"] == 1.0 and after["export_merge"]["max_logprob_gap"] < 1e-3
 
 
 def test_the_committed_gpu_record_is_whole():
     """The H100 record has every part, its machine, and each part's command."""
     gpu = json.loads((ROOT / "benchmarks" / "gpu_check.json").read_text())
     assert gpu["machine"]["gpu"].startswith("NVIDIA") and gpu["model"]["reduced"] is False
-    for part in ("ppo", "sampling", "sampling_after_fix", "stages", "pipeline"):
+    for part in ("ppo", "sampling", "stages", "pipeline", "sampling_before_fix", "pipeline_before_fix"):
         assert "error" not in gpu[part] and gpu[part]["command"].startswith("python tools/gpu_check.py")
-    assert gpu["sampling_after_fix"]["old_vs_update_gap"] == 0.0  # the rollout's rows equal the update's
+    assert gpu["sampling"]["old_vs_update_gap"] == 0.0  # the rollout's rows equal the update's
+    assert all(c for part in ("ppo", "stages", "pipeline") for c in gpu[part]["checks"].values())
+    assert {"evaluate", "export_merge"} <= set(gpu["stages"]["stages"])  # both ran on the GPU
 
 
 def test_a_record_from_another_machine_is_not_merged(tmp_path):

@@ -112,3 +112,120 @@ def test_the_pipeline_frees_a_finished_stage_before_the_next(tmp_path, monkeypat
         assert refs and refs[0]() is None, "the SFT model is still alive after its stage"
     finally:
         gc.enable()
+
+
+class _Loaded(Exception):
+    """Raised by the patched `from_pretrained` once it has seen how a command loads its model."""
+
+
+@pytest.fixture()
+def gpu_visible(monkeypatch):
+    """A machine where torch sees a GPU, and `from_pretrained` that records its arguments instead of loading."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append(kwargs)
+        raise _Loaded
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cls in (AutoModelForCausalLM, AutoModelForSequenceClassification):
+        monkeypatch.setattr(cls, "from_pretrained", record)
+    return calls
+
+
+def test_evaluate_generate_and_merge_load_on_the_gpu_not_the_cpu(gpu_visible, tmp_path):
+    """Item 1: with a GPU, `evaluate` and `generate` load their models onto it in bf16 and `merge` loads its fp32
+    base there (before, all three called `from_pretrained` with no device: 7B in host RAM, CPU matmuls)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.stages import evaluate, generate, merge
+
+    with pytest.raises(_Loaded):
+        evaluate.main(["--model", "zoo"])
+    with pytest.raises(_Loaded):
+        generate.main(["--model", "zoo", "--prompt", "hi"])
+    assert gpu_visible == [{"device_map": {"": "cuda"}, "dtype": torch.bfloat16}] * 2
+    gpu_visible.clear()
+    with pytest.raises(_Loaded):
+        generate.main(["--model", "zoo", "--prompt", "hi", "--device", "cuda:1", "--load_in_4bit", "true"])
+    (nf4,) = gpu_visible
+    assert nf4["device_map"] == {"": "cuda:1"} and nf4["dtype"] is torch.bfloat16
+    assert nf4["quantization_config"].bnb_4bit_compute_dtype is torch.bfloat16
+    gpu_visible.clear()
+
+    torch.manual_seed(0)  # an adapter on the shipped tiny SFT model (from_config: from_pretrained is patched)
+    adapter = tmp_path / "adapter"
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(SFT_DIR))
+    peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    peft_model.peft_config["default"].base_model_name_or_path = str(SFT_DIR)
+    peft_model.save_pretrained(adapter)
+    with pytest.raises(_Loaded):
+        merge.main(["--adapter", str(adapter), "--output_dir", str(tmp_path / "merged")])
+    assert gpu_visible == [{"device_map": {"": "cuda"}, "dtype": torch.float32}]
+
+
+def test_the_cpu_path_loads_as_before_and_a_missing_gpu_is_refused_before_loading(monkeypatch):
+    from marlhf_edu.models import loading_kwargs
+    from marlhf_edu.stages import evaluate
+    from marlhf_edu.stages.common import ConfigError
+
+    assert loading_kwargs("cpu") == {} and loading_kwargs("cpu", "float32") == {"dtype": torch.float32}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loading_kwargs("auto") == {}
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        evaluate.main(["--device", "cuda"])
+    with pytest.raises(ConfigError, match="--dtype must be one of"):
+        evaluate.main(["--dtype", "half"])
+
+
+def test_pipeline_ranks_wait_between_stages_and_only_rank_0_merges(tmp_path, monkeypatch):
+    """Item 2, the order of events on each rank of a 2-rank pipeline (stage mains replaced by recorders): every stage
+    after the first starts only after a barrier that follows rank 0's marker; rank 0 alone resolves (merges) the SFT
+    output a stage reads, before that barrier; rank 1 writes no marker. The 2-rank gloo run with a LoRA SFT stage is
+    tests/test_distributed.py::test_the_whole_pipeline_runs_on_two_ranks."""
+    import sys
+    import types
+
+    import marlhf_edu.sources
+    from marlhf_edu.stages import pipeline
+
+    spec = {"stages": {"sft": "configs/tiny_sft.yaml", "rm": "configs/tiny_rm.yaml", "ma-ppo": "configs/tiny_ma_ppo.yaml"}}
+    events = []
+
+    def fake(name):
+        def main(argv, **kwargs):
+            events.append(("run", name))
+        return types.SimpleNamespace(main=main)
+
+    for name in ("sft", "rm", "ma-ppo"):
+        monkeypatch.setitem(sys.modules, f"fake_stage_{name}", fake(name))
+    monkeypatch.setattr(pipeline, "synchronize", lambda: events.append(("sync",)))
+    monkeypatch.setattr(marlhf_edu.sources, "resolve_model", lambda ref: events.append(("resolve", ref)))
+    monkeypatch.setattr(pipeline, "release_memory", lambda: None)
+    for rank in ("0", "1"):
+        events.clear()
+        monkeypatch.setenv("RANK", rank)  # (WORLD_SIZE stays unset: trl's configs would open a process group)
+        spec["overrides"] = {n: {"output_dir": str(tmp_path / rank / n)} for n in ("sft", "rm", "ma-ppo")}
+        path = tmp_path / f"pipeline{rank}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        stages, _ = pipeline.load_pipeline(str(path), [])
+        for stage in stages:
+            stage.module = f"fake_stage_{stage.name}"
+        pipeline.run_pipeline(stages, log=lambda line: None)
+        sft = str(tmp_path / rank / "sft")
+        runs = [i for i, e in enumerate(events) if e[0] == "run"]
+        assert [events[i][1] for i in runs] == ["sft", "rm", "ma-ppo"]
+        assert all(events[i - 1] == ("sync",) for i in runs[1:]), events  # a barrier right before each later stage
+        assert events[-1] == ("sync",)  # and after the last
+        resolved = [e[1] for e in events if e[0] == "resolve"]
+        if rank == "0":
+            assert resolved == [sft, sft]  # for rm and ma-ppo; the reward adapter is not a model to merge
+            assert events.index(("resolve", sft)) < runs[1] and events[runs[1] - 1] == ("sync",)
+        else:
+            assert resolved == []
+        markers = sorted(p.parent.name for p in (tmp_path / rank).rglob(pipeline.MARKER))
+        assert markers == (["ma-ppo", "rm", "sft"] if rank == "0" else [])

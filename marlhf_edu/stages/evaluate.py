@@ -9,7 +9,8 @@ The judge is the toy world's (`toy`, for the book's tiny models) or chapter 13's
 hh-rlhf red-team requests, refusal rate, and benign questions with known answers); `auto` picks `toy` for a model
 with the book's toy tokenizer. Every answer is also scored by the reward adapter (its base is the one its
 `adapter_config.json` records, unless `--reward_base` says otherwise). Prints the rates; with `--output_dir`,
-writes `eval_metrics.json` and every answer to `eval_samples.jsonl`. Taught in chapter 15.
+writes `eval_metrics.json` and every answer to `eval_samples.jsonl`. Both models load on `--device` (a GPU
+when there is one, in bf16: about 27 GB for two 7B models; `--load_in_4bit true` about 8 GB). Taught in chapter 15.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class EvaluateArguments:
     max_new_tokens: int = field(default=48)
     temperature: float = field(default=1.0)
     seed: int = field(default=0)
+    device: str = field(default="auto", metadata={"help": "'auto' (cuda if available), 'cpu' or 'cuda[:N]'"})
+    dtype: str = field(default="auto", metadata={"help": "weights' dtype: 'auto' = bfloat16 on CUDA, the "
+                                                          "checkpoint's own on the CPU; or bfloat16, float16, float32"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "both models as NF4 bases (7B on a 24 GB card)"})
     output_dir: str = field(default="", metadata={"help": "write eval_metrics.json and eval_samples.jsonl here"})
 
 
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     import pathlib
 
     from marlhf_edu.keyword_judge import KeywordJudge
-    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR, load_reward_model, load_sft_model, load_tokenizer
+    from marlhf_edu.models import (REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR, load_reward_model, load_sft_model,
+                                   load_tokenizer, loading_kwargs)
     from marlhf_edu.ppo import ScoredPolicy
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.sources import local_path
@@ -63,11 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"--judge must be one of {JUDGES}, got {args.judge!r}")
     if args.repeats < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
         raise ConfigError("--repeats, --prompts and --max_new_tokens must be >= 1 and --temperature > 0")
+    loading = loading_kwargs(args.device, args.dtype, args.load_in_4bit)  # bad --device/--dtype: before loading
     adapter = REWARD_ADAPTER_DIR if args.reward_adapter == "zoo" else local_path(args.reward_adapter)
     reward_base = args.reward_base or (str(SFT_DIR) if args.reward_adapter == "zoo" else reward_base_of(adapter))
     with quiet_loading():
-        policy, tokenizer = load_sft_model(args.model)
-        reward, reward_tokenizer = load_reward_model(reward_base, adapter)
+        policy, tokenizer = load_sft_model(args.model, **loading)
+        reward, reward_tokenizer = load_reward_model(reward_base, adapter, **loading)
     judge = args.judge
     if judge == "auto":
         judge = "toy" if tokenizer.get_vocab() == load_tokenizer(TOKENIZER_DIR).get_vocab() else "keyword"
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         world = ToyWorld()
     else:
         world = KeywordJudge(tokenizer, limit=args.prompts, max_prompt_tokens=args.max_prompt_length)
-    backend = ScoredPolicy(policy, reward.to(next(policy.parameters()).device), tokenizer, reward_tokenizer)
+    backend = ScoredPolicy(policy, reward, tokenizer, reward_tokenizer)
     metrics, samples = judge_policy(backend, world, args.repeats, args.max_new_tokens, args.temperature, args.seed)
     metrics = {"judge": judge, "answers": len(samples), **metrics}
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}))

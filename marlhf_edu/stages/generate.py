@@ -4,7 +4,8 @@
         [--temperature 0.7]
 
 `--model` takes what every stage takes: `zoo`, `smollm2`, a model directory, a LoRA adapter (a trained
-policy, merged into its base once) or a hub id. `--temperature 0` is greedy decoding.
+policy, merged into its base once) or a hub id. `--temperature 0` is greedy decoding. The model loads on
+`--device` (a GPU when there is one, in bf16).
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ class GenerateArguments:
     max_new_tokens: int = field(default=64)
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
     seed: int = field(default=0)
+    device: str = field(default="auto", metadata={"help": "'auto' (cuda if available), 'cpu' or 'cuda[:N]'"})
+    dtype: str = field(default="auto", metadata={"help": "weights' dtype: 'auto' = bfloat16 on CUDA, the "
+                                                          "checkpoint's own on the CPU; or bfloat16, float16, float32"})
+    load_in_4bit: bool = field(default=False, metadata={"help": "load the model as an NF4 base"})
 
 
 def main(argv: list[str] | None = None) -> list[str]:
     from marlhf_edu.data.template import template_for
     from marlhf_edu.generation import generate_responses
-    from marlhf_edu.models import load_sft_model
+    from marlhf_edu.models import load_sft_model, loading_kwargs
     from marlhf_edu.stages.common import ConfigError, parse_stage_args
 
     (args,) = parse_stage_args((GenerateArguments,), argv)
@@ -32,7 +37,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         raise ConfigError("generate needs at least one --prompt")
     if args.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
-    model, tokenizer = load_sft_model(args.model)
+    model, tokenizer = load_sft_model(args.model, **loading_kwargs(args.device, args.dtype, args.load_in_4bit))
     template = template_for(tokenizer)
     answers = generate_responses(model, tokenizer, [template.dialogue([(p, None)]) for p in args.prompt],
                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature or 1.0,

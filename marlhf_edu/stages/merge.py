@@ -8,7 +8,8 @@ cast to `--dtype` and saved as safetensors with the tokenizer. Before it writes,
 with the reference on a few prompts: the same most likely next token at (nearly) every position, and in fp32 the
 same log-probabilities within 1e-3. A merged model that quietly differs from what was trained would be worse
 than none. Merge into a full-precision base, never into the NF4 one: rounding the merged weights to 4 bits
-again would change the model (chapter 10).
+again would change the model (chapter 10). The work happens on `--device`, a GPU when there is one: the fp32
+base of a 7B model takes about 27 GB there (`--device cpu` on a smaller card: the same in host RAM, slower).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class MergeArguments:
     check_prompts: int = field(default=4, metadata={"help": "prompts the merged and unmerged models are compared on"})
     min_agreement: float = field(default=0.95, metadata={"help": "required fraction of positions with the same "
                                                                   "most likely next token"})
+    device: str = field(default="auto", metadata={"help": "'auto' (cuda if available), 'cpu' or 'cuda[:N]': where "
+                                                          "the fp32 base is loaded, merged and checked"})
     overwrite: bool = field(default=False, metadata={"help": "replace a non-empty output_dir (never the adapter or "
                                                              "its base); without it such a folder is refused"})
 
@@ -49,6 +52,7 @@ def merge(args: MergeArguments) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from marlhf_edu.models import resolve_device
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.sources import adapter_base, adapter_fits, align_pad, load_tokenizer, resolve_model
     from marlhf_edu.stages.common import ConfigError
@@ -57,6 +61,7 @@ def merge(args: MergeArguments) -> dict:
         raise ConfigError("merge needs --adapter and --output_dir")
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {DTYPES}, got {args.dtype!r}")
+    device = resolve_device(args.device)
     adapter = pathlib.Path(args.adapter)
     if not (adapter / "adapter_config.json").exists():
         raise ConfigError(f"{adapter}: no adapter_config.json (a fully trained policy is already a plain model)")
@@ -73,10 +78,12 @@ def merge(args: MergeArguments) -> dict:
         raise ConfigError(f"--output_dir {out} exists and is not empty; pass --overwrite true to replace it")
     tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").exists() else base_ref)
     with quiet_loading():
-        base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(base_ref), dtype=torch.float32), tokenizer)
+        placed = {} if device == "cpu" else {"device_map": {"": device}}
+        base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(base_ref), dtype=torch.float32, **placed),
+                         tokenizer)
         with adapter_fits(adapter, base_ref):
             model = PeftModel.from_pretrained(base, str(adapter)).eval()
-    batch = _sample_batch(tokenizer, args.check_prompts)
+    batch = _sample_batch(tokenizer, args.check_prompts).to(device)
     real = batch["attention_mask"].bool()
     with torch.no_grad():
         reference = torch.log_softmax(model(**batch).logits.float(), -1)

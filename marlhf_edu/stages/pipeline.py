@@ -21,7 +21,9 @@ The pipeline file names each stage's own config, and optionally overrides for it
    and the reward model, `checkpoints/latest` for PPO); the others start.
 
 Under `accelerate launch` every rank runs every stage (trl's trainers and the PPO engine are data-parallel
-alike); rank 0 alone writes the markers. Taught in chapter 15.
+alike). The ranks wait for each other between stages, so none starts the next stage while rank 0 still writes
+the last one's files; rank 0 alone writes the markers, and rank 0 alone merges an SFT adapter into its base
+for the next stage (the model cache) while the others wait, then they load the merged copy. Taught in chapter 15.
 """
 
 from __future__ import annotations
@@ -211,6 +213,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
     receives the pipeline's own lines; `progress=False` turns off the PPO stage's progress bar."""
     import importlib
 
+    from marlhf_edu.sources import resolve_model
     from marlhf_edu.stages.common import ConfigError
 
     for name in only or []:
@@ -221,6 +224,10 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         log(f"pipeline: {target} = {value}")
     parsed = {s.name: s.parse() for s in stages}  # every config checked before any work
     main_rank = int(os.environ.get("RANK", "0")) == 0
+    wired = {}  # stage name → the models of earlier stages it loads (an SFT adapter is merged into its base first)
+    for target, value in wiring.items():
+        if not target.endswith(".reward_adapter_path"):  # an adapter loaded as one, on a base named elsewhere
+            wired.setdefault(target.split(".", 1)[0], []).append(value)
     records = []
     for stage in stages:
         out = stage.output_dir(parsed[stage.name])
@@ -230,6 +237,11 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
             log(f"pipeline: {stage.name} finished earlier ({out / MARKER}), skipped")
             records.append({"stage": stage.name, "status": "skipped", "output_dir": str(out)})
             continue
+        if wired.get(stage.name):  # rank 0 builds the merged SFT model the stage reads; the others wait for it
+            if main_rank:
+                for value in wired[stage.name]:
+                    resolve_model(value)
+            synchronize()
         resume = resume_argv(stage, out, log)
         log(f"pipeline: {stage.name} " + (f"resumes from {resume[-1] if stage.kind != 'ppo' else out / 'checkpoints'}"
                                                if resume else "starts") + f" -> {out}")
@@ -243,8 +255,23 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         if main_rank:
             out.mkdir(parents=True, exist_ok=True)
             (out / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+        synchronize()  # no rank reads this stage's output (or its marker) before rank 0 has written all of it
         records.append(record)
     return records
+
+
+def synchronize() -> None:
+    """Wait until every rank of an `accelerate launch` run gets here (accelerate's `wait_for_everyone`, opening the
+    process group if no stage has yet); nothing on one process. The PPO stage closes the group when it ends, and
+    nothing runs after it, so a closed group is not reopened."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import torch
+    from accelerate import PartialState
+
+    if not torch.distributed.is_initialized() and PartialState._shared_state:  # opened once, then closed
+        return
+    PartialState(cpu=not torch.cuda.is_available()).wait_for_everyone()
 
 
 def release_memory() -> None:

@@ -180,6 +180,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
         dataset = with_evasion_pairs(dataset, tokenizer, script_args, source=original)
     check_lengths(dataset, tokenizer, training_args.max_length)
     held_out = None
+    eval_batch = training_args.per_device_eval_batch_size  # the held-out scoring's rows per forward (was fixed at 64)
     if script_args.dataset_name != "toy" and script_args.eval_split:
         held_out = load_preference_data(script_args, tokenizer, split=script_args.eval_split)
         if script_args.max_tokens:
@@ -194,7 +195,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     before = probe = probe_eval = None
     if held_out:  # the untrained score head on the same backbone: the chance-level reference
         model.eval()
-        before = evaluate_reward_model(model, tokenizer, held_out)
+        before = evaluate_reward_model(model, tokenizer, held_out, eval_batch)
     if script_args.score_head_init == "probe":  # before peft wraps the model, so `score`'s trained copy starts here
         from marlhf_edu.reward_probe import probe_score_head
 
@@ -202,7 +203,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
         print(f"score head probed on {len(dataset)} pairs: L2 {probe.l2:g} (cross-validated), "
               f"train accuracy {probe.train_accuracy:.3f}")
         if held_out:
-            probe_eval = evaluate_reward_model(model, tokenizer, held_out)
+            probe_eval = evaluate_reward_model(model, tokenizer, held_out, eval_batch)
     trainer = RewardTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config)
     # trl casts QLoRA's trainable weights to bf16: adapters and heads go back to fp32 (see keep_trainable_dtype); a
@@ -210,8 +211,10 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     if model_args.use_peft or dtype is torch.float32:
         keep_trainable_dtype(trainer.model)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes
-    trainer.save_model(training_args.output_dir)
-    record_base(training_args.output_dir, model_args.model_name_or_path)
+    trainer.save_model(training_args.output_dir)  # rank 0 writes (trl); so do we, and every rank waits for it
+    if trainer.is_world_process_zero():
+        record_base(training_args.output_dir, model_args.model_name_or_path)
+    trainer.accelerator.wait_for_everyone()
     if script_args.dataset_name == "toy" and script_args.eval_pairs:
         from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
@@ -219,7 +222,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     metrics = {}
     if held_out:
         trainer.model.eval()
-        metrics = evaluate_reward_model(trainer.model, tokenizer, held_out)
+        metrics = evaluate_reward_model(trainer.model, tokenizer, held_out, eval_batch)
         if before is not None:
             metrics.update(untrained_head_accuracy=before["accuracy"],
                            length_baseline=length_baseline(tokenizer, held_out)["longer_is_chosen"])
@@ -227,8 +230,9 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
             metrics.update(probe_accuracy=probe_eval["accuracy"], probe_l2=probe.l2,
                            probe_cv_accuracy={f"{k:g}": v for k, v in probe.cv_accuracy.items()})
         summary = {k: v for k, v in metrics.items() if not k.endswith("_scores")}
-        with open(os.path.join(training_args.output_dir, "eval_metrics.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        if trainer.is_world_process_zero():
+            with open(os.path.join(training_args.output_dir, "eval_metrics.json"), "w") as f:
+                json.dump(summary, f, indent=2)
         print("held-out reward model metrics:", json.dumps(summary))
     return trainer, metrics
 

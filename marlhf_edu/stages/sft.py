@@ -76,10 +76,12 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     if model_args.use_peft or torch_dtype(model_args) is torch.float32:
         keep_trainable_dtype(trainer.model)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes
-    trainer.save_model(training_args.output_dir)
-    tokenizer.save_pretrained(training_args.output_dir)
-    if name != "tiny-llama":
-        record_base(training_args.output_dir, name)
+    trainer.save_model(training_args.output_dir)  # rank 0 writes (trl); so do we, and every rank waits for it
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(training_args.output_dir)
+        if name != "tiny-llama":
+            record_base(training_args.output_dir, name)
+    trainer.accelerator.wait_for_everyone()
     return trainer
 
 
