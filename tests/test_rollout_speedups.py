@@ -255,3 +255,50 @@ def test_a_separate_sampler_logs_its_gap_to_the_training_path(tmp_path, prompts)
     trainer.backend._merged.stale = False
     _perturb_policy(peft_model, adapter, seed=4)
     assert trainer.rollout_stats(trainer.rollout(trainer.batch_prompts(1)))["rollout/logprob_gap"] > 10 * LOGPROB_TOLERANCE
+
+
+def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio(tmp_path, prompts):
+    """`tis_cap`: each answer token's policy loss is weighted by min(π_train/π_sampler, tis_cap), computed from the
+    copy the tokens were drawn from; 1 for a fresh fp32 copy; the update uses the weights (a weight of 2 doubles the
+    policy loss, which is the clipped surrogate with advantages 2·A)."""
+    import dataclasses
+
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=True, tis_cap=2.0)
+    peft_model, adapter = trainer.backend.lora_policy()
+    _perturb_policy(peft_model, adapter)
+    trainer.backend.policy_changed()
+    r = trainer.rollout(trainer.batch_prompts(0))
+    m = r.response_mask
+    assert float(((r.tis_weights - 1).abs() * m).max()) < LOGPROB_TOLERANCE  # the copy is the policy
+    assert float((r.tis_weights * ~m).abs().max()) == 0.0
+    stats = trainer.rollout_stats(r)
+    assert stats["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=LOGPROB_TOLERANCE)
+    # a stale copy: tokens drawn from another distribution, weighted by the capped ratio
+    trainer.backend._merged.stale = False
+    _perturb_policy(peft_model, adapter, seed=4)
+    r = trainer.rollout(trainer.batch_prompts(1))
+    m = r.response_mask
+    with torch.no_grad():
+        sampler, _ = sequence_logprobs(trainer.backend.sampling_model(), r.input_ids, r.attention_mask, r.n_response, 1.0)
+    expected = torch.where(m, (r.logprobs - sampler).exp().clamp(max=2.0), 0.0)
+    assert torch.allclose(r.tis_weights, expected, rtol=1e-4, atol=1e-6)
+    assert float(((r.tis_weights - 1).abs() * m).max()) > 100 * LOGPROB_TOLERANCE and float(r.tis_weights.max()) <= 2.0
+    # the update reads them
+    rows = torch.arange(4)
+    losses = {}
+    for label, w in (("one", torch.where(m, 1.0, 0.0)), ("two", torch.where(m, 2.0, 0.0))):
+        torch.manual_seed(0)
+        _, s = trainer.micro_batch_loss(dataclasses.replace(r, tis_weights=w), rows)
+        losses[label] = float(s["loss/policy"])
+    torch.manual_seed(0)
+    _, s = trainer.micro_batch_loss(dataclasses.replace(r, tis_weights=None), rows)
+    assert losses["one"] == pytest.approx(float(s["loss/policy"]), rel=1e-6)
+    assert losses["two"] == pytest.approx(2 * losses["one"], rel=1e-5) and losses["one"] != 0.0
+
+
+def test_truncated_importance_sampling_needs_a_merged_copy():
+    with pytest.raises(ConfigError, match="tis_cap corrects sampling from a merged copy"):
+        PPOConfig(tis_cap=2.0).validate()
+    with pytest.raises(ConfigError, match="tis_cap"):
+        PPOConfig(tis_cap=0.5, merged_rollout=True).validate()
+    PPOConfig(tis_cap=2.0, merged_rollout=True).validate()

@@ -47,6 +47,7 @@ class PPOConfig:
     critic_init: str = field(default="zero", metadata={"help": "'zero': the critic is the SFT backbone with a zero head; 'reward_model': the critic starts as the reward model (its backbone, adapter and score head), as InstructGPT and MA-RLHF do"})
     critic: str = field(default="separate", metadata={"help": "four-model only: 'separate' (a critic with its own backbone, chapter 09) or 'shared_head' (a value head on the actor's last hidden state, trl 0.11's AutoModelForCausalLMWithValueHead: one forward, one backbone less)"})
     merged_rollout: bool = field(default=False, metadata={"help": "sample rollouts from a dense copy of the policy with its LoRA merged (NF4 bases dequantized), refreshed after every update; log-probs still come from the training path. Needs a LoRA policy; costs one dense copy of the model"})
+    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling for merged_rollout: each answer token's policy loss is weighted by min(π_train/π_sampler, tis_cap), the correction for tokens drawn from a copy that is not exactly the policy (verl's and OpenRLHF's for vLLM; 2 is common); 0 = off"})
     merged_reward: bool = field(default=False, metadata={"help": "four-model only: score with the reward LoRA merged into the reward model's own fp32 copy of its base (one matmul per layer instead of three; scores equal to float rounding). Off by default so that stored runs replay exactly"})
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
@@ -199,6 +200,9 @@ class PPOConfig:
              "judge's (dataset_format: hh-rlhf); set eval_every: 0 for this data")
         need(self.eval_every >= 0 and self.eval_every_prompts >= 2,
              f"eval_every must be >= 0 and eval_every_prompts >= 2, got {self.eval_every} and {self.eval_every_prompts}")
+        need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.merged_rollout),
+             f"tis_cap corrects sampling from a merged copy: it needs merged_rollout: true and a cap >= 1 (or 0 = off), "
+             f"got tis_cap {self.tis_cap}, merged_rollout {self.merged_rollout}")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return self

@@ -110,6 +110,7 @@ class Rollout:
     returns: torch.Tensor
     reward_model_scores: torch.Tensor | None = None  # (B,) the reward model's, when `reward_fn` is the reward
     logprob_gap: torch.Tensor | None = None  # mean |log π_sampler − log π_train| per response token (merged_rollout)
+    tis_weights: torch.Tensor | None = None  # (B, R) min(π_train/π_sampler, tis_cap) per response token (tis_cap)
 
     @property
     def n_response(self) -> int:
@@ -280,7 +281,7 @@ class PPOTrainer:
             with self.timer("reference"):
                 ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
         logprobs, values, entropy, ref_logprobs = (torch.cat(x).float() for x in (logprobs, values, entropy, ref_logprobs))
-        logprob_gap = None
+        logprob_gap = tis_weights = None
         if be.sampling_model() is not be.policy_model:  # sampled from a separate copy (merged_rollout)
             with self.timer("policy"):  # the copy's log-probs in the same rows, so batch shape adds nothing
                 sampled = torch.cat([sequence_logprobs(be.sampling_model(), input_ids[rows], attention_mask[rows], R,
@@ -289,6 +290,9 @@ class PPOTrainer:
             total, count = dp.gather(torch.stack([_masked_sum((sampled - logprobs).abs(), response_mask).sum(),
                                                   response_mask.sum().float()])[None]).sum(0)
             logprob_gap = total / count.clamp_min(1.0)
+            if cfg.tis_cap:  # truncated importance sampling: E_sampler[w · g] = E_policy[g] where w is not capped
+                tis_weights = dp.gather(torch.where(response_mask, (logprobs - sampled).exp().clamp(max=cfg.tis_cap),
+                                                    0.0))
         # from here on: the global batch, the same on every rank (one process: the tensors as they are)
         input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values, entropy, ref_logprobs = (
             dp.gather(x) for x in (input_ids, attention_mask, response_mask, raw_scores, has_eos, logprobs, values,
@@ -302,7 +306,7 @@ class PPOTrainer:
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, response_mask)
         return Rollout(input_ids, attention_mask, response_mask, raw_scores, scores, has_eos, logprobs, ref_logprobs,
-                       values, entropy, rewards, kls, advantages, returns, rm_scores, logprob_gap)
+                       values, entropy, rewards, kls, advantages, returns, rm_scores, logprob_gap, tis_weights)
 
     def transform_scores(self, raw: torch.Tensor, has_eos: torch.Tensor) -> torch.Tensor:
         """Missing-EOS penalty, baseline, group baseline, whitening, clipping — in that order, each only if configured."""
@@ -381,7 +385,10 @@ class PPOTrainer:
             logprobs, values, entropy = self.backend.policy_forward(r.input_ids[rows], r.attention_mask[rows],
                                                                     r.n_response, cfg.temperature,
                                                                     with_entropy=cfg.entropy_coef != 0)
-        return ppo_loss(logprobs.float(), r.logprobs[rows], r.advantages[rows], values.float(), r.values[rows],
+        # truncated importance sampling (tis_cap): the clipped surrogate max(-Aρ, -A·clip(ρ)) times w ≥ 0 is the same
+        # surrogate with advantages w·A, so weighting each token's policy loss is scaling its advantage
+        advantages = r.advantages[rows] if r.tis_weights is None else r.advantages[rows] * r.tis_weights[rows]
+        return ppo_loss(logprobs.float(), r.logprobs[rows], advantages, values.float(), r.values[rows],
                         r.returns[rows], r.response_mask[rows], None if entropy is None else entropy.float(),
                         cliprange=cfg.cliprange, cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef,
                         ent_coef=cfg.entropy_coef, ratio_threshold=cfg.ratio_threshold,
@@ -411,6 +418,9 @@ class PPOTrainer:
             "response/no_eos_rate": float((~r.has_eos).float().mean()),
             **eos_split_scores(r.raw_scores, r.has_eos),
             **({} if r.logprob_gap is None else {"rollout/logprob_gap": float(r.logprob_gap)}),
+            **({} if r.tis_weights is None else {
+                "rollout/tis_weight_mean": float(masked_mean(r.tis_weights, m)),
+                "rollout/tis_capped_share": float(masked_mean((r.tis_weights >= self.config.tis_cap).float(), m))}),
             # under `reward_fn` (the positive control) the reward model is logged beside what PPO optimises
             **({} if r.reward_model_scores is None else {
                 "score/reward_model_mean": float(r.reward_model_scores.mean()),
