@@ -171,3 +171,18 @@ def test_an_output_folder_that_cannot_be_written_is_refused_at_the_start(tmp_pat
     with pytest.raises(ConfigError, match="cannot be written"):
         ppo_main([*TINY, "--total_steps", "1", "--output_dir", str(target)], backend_factory=never_loaded,
                  progress=False)
+
+
+def test_a_resume_verifies_its_checkpoint_once(tmp_path, monkeypatch):
+    """`stages.ppo.run` checks the run folder before loading any model; the trainer reuses that check instead of
+    hashing every checkpoint file a second time (issue 37)."""
+    import marlhf_edu.ppo.run_files as run_files
+
+    out = tmp_path / "ppo"
+    ppo_main([*TINY, "--total_steps", "1", "--eval_repeats", "0", "--output_dir", str(out)], progress=False)
+    calls = []
+    real = run_files.verify_checkpoint
+    monkeypatch.setattr(run_files, "verify_checkpoint", lambda folder: calls.append(folder) or real(folder))
+    ppo_main([*TINY, "--total_steps", "2", "--eval_repeats", "0", "--output_dir", str(out), "--resume", "true"],
+             progress=False)
+    assert len(calls) == 1 and (out / "checkpoints" / "step-000002").exists()

@@ -158,6 +158,10 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class PPOTrainer:
     """Runs PPO on `backend` over `prompts` (already rendered with the template)."""
 
+    #: what `check_run_folder` found, when the caller checked the run folder before loading the models
+    #: (`stages.ppo.run`: `(checkpoint, state)` for a resume, True for a fresh run); None = `train` checks it
+    run_folder_checked = None
+
     def __init__(self, backend: PPOBackend, config: PPOConfig, prompts: list[str], gold_reward_fn=None,
                  reward_fn=None, eval_fn=None):
         """`gold_reward_fn(prompts, responses) -> rewards`, optional: a judge PPO never optimises, only logs
@@ -469,7 +473,7 @@ class PPOTrainer:
         cfg, main = self.config, self.dp.is_main
         if cfg.resume:
             self.load_checkpoint()
-        else:
+        elif not self.run_folder_checked:
             check_run_folder(cfg)  # a fresh run needs a folder without one
         self.dp.barrier()  # every rank has looked before rank 0 writes
         if main:
@@ -567,7 +571,8 @@ class PPOTrainer:
         settings differ from the checkpoint's (`check_run_folder`); applies `resume_overrides`."""
         from safetensors.torch import load_file
 
-        ckpt, state = check_run_folder(self.config)
+        # `stages.ppo.run` checked it before loading any model (hashing every file); otherwise check it now
+        ckpt, state = self.run_folder_checked or check_run_folder(self.config)
         saved_world = state.get("world_size", 1)
         if saved_world != self.dp.world_size:
             raise ConfigError(f"--resume: {ckpt} was written by a run on {saved_world} rank(s), this one has "

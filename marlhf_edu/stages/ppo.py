@@ -185,11 +185,11 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
 
     config.validate()
     with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
-        check_run_folder(config)
-        return _run(config, backend_factory, progress)
+        checked = check_run_folder(config)
+        return _run(config, backend_factory, progress, checked)
 
 
-def _run(config, backend_factory, progress: bool) -> dict:
+def _run(config, backend_factory, progress: bool, checked) -> dict:
     import torch
 
     from marlhf_edu.ppo import FourModelBackend, PPOTrainer
@@ -216,6 +216,7 @@ def _run(config, backend_factory, progress: bool) -> dict:
     trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer),
                          gold_reward_fn=toy.gold_rewards if toy else None, reward_fn=reward_fn,
                          eval_fn=None if periodic is None else periodic_evaluation(periodic, config))
+    trainer.run_folder_checked = checked if config.resume else True  # checked once, before loading (not twice)
     out = pathlib.Path(config.output_dir)
     world = evaluation_judge(config, backend.tokenizer, toy)
     result = {}
