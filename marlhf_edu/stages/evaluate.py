@@ -10,7 +10,8 @@ hh-rlhf red-team requests, refusal rate, and benign questions with known answers
 with the book's toy tokenizer. Every answer is also scored by the reward adapter (its base is the one its
 `adapter_config.json` records, unless `--reward_base` says otherwise). Prints the rates; with `--output_dir`,
 writes `eval_metrics.json` and every answer to `eval_samples.jsonl`. Both models load on `--device` (a GPU
-when there is one, in bf16: about 27 GB for two 7B models; `--load_in_4bit true` about 8 GB). Taught in chapter 15.
+when there is one, in bf16: two 7B models took 27.8 GiB on an H100, benchmarks/gpu_check.json; `--load_in_4bit
+true` keeps their weights in NF4, about 3.6 GiB each, planned). Taught in chapter 15.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ with the reference on a few prompts: the same most likely next token at (nearly)
 same log-probabilities within 1e-3. A merged model that quietly differs from what was trained would be worse
 than none. Merge into a full-precision base, never into the NF4 one: rounding the merged weights to 4 bits
 again would change the model (chapter 10). The work happens on `--device`, a GPU when there is one: the fp32
-base of a 7B model takes about 27 GB there (`--device cpu` on a smaller card: the same in host RAM, slower).
+base of a 7B model took 25.6 GiB there on an H100 (benchmarks/gpu_check.json; `--device cpu` on a smaller card:
+about as much host RAM, and slower).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def merge(args: MergeArguments) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.models import resolve_device
+    from marlhf_edu.models import loading_kwargs, resolve_device
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.sources import adapter_base, adapter_fits, align_pad, load_tokenizer, resolve_model
     from marlhf_edu.stages.common import ConfigError
@@ -78,9 +79,8 @@ def merge(args: MergeArguments) -> dict:
         raise ConfigError(f"--output_dir {out} exists and is not empty; pass --overwrite true to replace it")
     tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").exists() else base_ref)
     with quiet_loading():
-        placed = {} if device == "cpu" else {"device_map": {"": device}}
-        base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(base_ref), dtype=torch.float32, **placed),
-                         tokenizer)
+        base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(base_ref),
+                                                              **loading_kwargs(device, "float32")), tokenizer)
         with adapter_fits(adapter, base_ref):
             model = PeftModel.from_pretrained(base, str(adapter)).eval()
     batch = _sample_batch(tokenizer, args.check_prompts).to(device)
