@@ -72,3 +72,58 @@ def dpo_loss(
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
     loss = -F.logsigmoid(beta * (chosen_logratios - rejected_logratios)).mean()
     return loss, (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()
+
+
+def ipo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
+) -> torch.Tensor:
+    r"""IPO's loss (Azar et al. 2023): each pair's log-ratio margin regressed onto 1/(2β).
+
+    .. math:: h = \log\tfrac{\pi(y_w)}{\pi_{ref}(y_w)} - \log\tfrac{\pi(y_l)}{\pi_{ref}(y_l)},
+              \qquad L = \frac1B\sum_b \Big(h_b - \frac{1}{2\beta}\Big)^2
+
+    Inputs as `dpo_loss` (B,). DPO's −log σ(βh) keeps falling as h grows, so on a pair whose
+    preference is certain its optimum is h = ∞ for every β; IPO's square has its minimum at
+    h = 1/(2β), so β sets where the margin stops. trl's `loss_type="ipo"` averages each answer's
+    token log-probs before this; here the caller chooses what it passes.
+
+    Taught in chapter 12 (the reference of its exercise).
+    """
+    fn = "ipo_loss"
+    check_same_shape(fn, policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
+                     ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
+    if not beta > 0:
+        raise ValueError(f"{fn}: `beta` must be > 0, got {beta!r}")
+    margin = (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
+    return ((margin - 1 / (2 * beta)) ** 2).mean()
+
+
+def margin_trajectory(loss_fn, beta: float, steps: int = 2000, lr: float = 0.25) -> list[float]:
+    r"""The log-ratio margin h of one pair whose preference is certain, after each of `steps` gradient steps.
+
+    The policy is the simplest one: a free logit per answer (chosen, rejected, one other), the reference
+    uniform, plain SGD. Then h = logit_w − logit_l, and each step moves h by −2·lr·∂L/∂h, so what the loss
+    does to the margin is all there is to see. `loss_fn(pc, pr, rc, rr, beta)` takes (1,) log-probs as
+    `dpo_loss` does and returns the loss (or a tuple whose first item is the loss).
+
+    Taught in chapter 12.
+    """
+    logits = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.zeros(3, dtype=torch.float64), -1)
+    opt = torch.optim.SGD([logits], lr=lr)
+    margins = []
+    for _ in range(steps):
+        logp = torch.log_softmax(logits, -1)
+        loss = loss_fn(logp[0:1], logp[1:2], ref[0:1], ref[1:2], beta)
+        loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            logp = torch.log_softmax(logits, -1)
+            margins.append(float((logp[0] - ref[0]) - (logp[1] - ref[1])))
+    return margins

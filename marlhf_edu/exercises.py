@@ -430,7 +430,8 @@ def _loss_and_grad_case(fn, label, make_inputs, reference, wrt: int, atol_grad: 
     return label, run
 
 
-@_withholds("marlhf_edu.policy_gradient.reinforce_loss", "marlhf_edu.policy_gradient.leave_one_out_baseline")
+@_withholds("marlhf_edu.policy_gradient.reinforce_loss", "marlhf_edu.policy_gradient.leave_one_out_baseline",
+            "marlhf_edu.grpo.group_relative_advantages")  # its scale="none" times K/(K-1) is the leave-one-out advantage
 def check_rloo_loss(fn: Callable, seed: int = 9) -> CheckReport:
     r"""Check `fn(logprobs, rewards, mask, group_size) -> loss`: REINFORCE with a leave-one-out baseline.
 
@@ -710,7 +711,7 @@ def check_prompts_needed(fn: Callable, seed: int = 0) -> CheckReport:
     return _run("check_prompts_needed", cases)
 
 
-@_withholds("marlhf_edu.grpo.group_relative_advantages")
+@_withholds("marlhf_edu.grpo.group_relative_advantages", "marlhf_edu.policy_gradient.leave_one_out_baseline")
 def check_group_relative_advantages(fn: Callable, seed: int = 0) -> CheckReport:
     """Check `fn(rewards, group_size) -> (B,)`: GRPO's advantages, each reward standardised within its group.
 
@@ -737,6 +738,53 @@ def check_group_relative_advantages(fn: Callable, seed: int = 0) -> CheckReport:
         case("a group whose answers all scored the same (no signal, not NaN)", torch.tensor([3.0, 3, 3, 3, 0, 1, 0, 1]), 4),
         case("64 answers, groups of 8 (the book's GRPO batch)", 3 * torch.randn(64, generator=gen) + 1, 8),
         case("0/1 judge rewards, groups of 8", (torch.rand(32, generator=gen) < 0.7).float(), 8),
+    ])
+
+
+@_withholds("marlhf_edu.dpo.ipo_loss")
+def check_ipo_loss(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> loss`:
+    IPO's loss, whose minimum puts each pair's log-ratio margin at a finite target set by β.
+
+    Chapter 12's exercise; compared with `marlhf_edu.dpo.ipo_loss` in value and in gradient, and by what the
+    loss does when it is trained: on a pair whose preference is certain (`marlhf_edu.dpo.margin_trajectory`,
+    300 plain gradient steps) the margin must settle at 1/(2β) rather than grow as DPO's does. A non-zero
+    `seed` draws other random cases.
+    """
+    from marlhf_edu.dpo import ipo_loss, margin_trajectory
+
+    fn = _learner(fn, check_ipo_loss)
+    gen = torch.Generator().manual_seed(seed + 120)
+
+    def inputs(B, beta, shift=0.0, spread=1.0):
+        logps = -torch.rand(4, B, generator=gen, dtype=torch.float64) * 20 - shift
+        logps[0] = logps[2] + spread * torch.randn(B, generator=gen, dtype=torch.float64)  # near the reference
+        return lambda: [*(x.clone() for x in logps), beta]
+
+    def case(label, B, beta, wrt=0, **kw):
+        return _loss_and_grad_case(fn, label, inputs(B, beta, **kw), ipo_loss, wrt=wrt, atol_grad=1e-7)
+
+    def settles(beta):
+        label = f"a certain pair, 300 gradient steps, beta = {beta}: the margin settles where IPO puts it"
+
+        def run():
+            got = margin_trajectory(fn, beta, steps=300, lr=0.1)[-1]
+            target = margin_trajectory(ipo_loss, beta, steps=300, lr=0.1)[-1]
+            if abs(got - target) > 1e-3:
+                return f"{label}: margin {got:.4g} after 300 steps, expected {target:.4g}"
+            return None
+        return label, run
+
+    at_reference = [torch.full((1,), -3.0, dtype=torch.float64)] * 4
+    return _run("check_ipo_loss", [
+        _loss_and_grad_case(fn, "one pair at the reference, beta = 0.1", lambda: [*(x.clone() for x in at_reference), 0.1],
+                            ipo_loss, wrt=0),
+        case("8 pairs, beta = 0.1: one number for the batch", 8, 0.1),
+        case("8 pairs, beta = 0.5, margins on both sides of the target", 8, 0.5, spread=4.0),
+        case("gradient with respect to the rejected answers' log-probs", 6, 0.2, wrt=1),
+        case("long answers (log-probs near -300): only the log-ratios matter", 5, 0.1, shift=300.0),
+        settles(0.1),
+        settles(0.5),
     ])
 
 

@@ -2,7 +2,7 @@
 
 GRPO (Shao et al. 2024) samples G answers per prompt and gives every token of
 answer i the same advantage, its reward standardised within its group. The KL to
-the reference is a loss term (k3, chapter 03), not part of the reward as in PPO.
+the reference is a loss term (k3 weighted by the ratio, chapter 12), not part of the reward as in PPO.
 trl's `GRPOTrainer` trains it; this module holds the advantage and the loss,
 written out, and a test checks trl's numbers against them.
 
@@ -76,10 +76,15 @@ def grpo_loss(
 
     `logprobs` (with gradient), `old_logprobs`, `ref_logprobs`, `mask`: (B, T) over
     the completion tokens; `advantages`: (B,). `ref_logprobs` may be None when
-    β = 0 (no reference is needed then). `kl_importance_weighted` multiplies the
-    k3 term by ρ: the answers were sampled from π_old, so an estimate of KL(π ‖ π_ref)
-    needs that weight once π has moved (trl's `use_bias_correction_kl`, on by
-    default in trl 1.x; at ρ = 1 it changes nothing). Aggregation 'grpo' averages each
+    β = 0 (no reference is needed then).
+
+    `kl_importance_weighted` multiplies the k3 term by ρ (trl's `use_bias_correction_kl`,
+    on by default in trl 1.x). It changes the gradient even where ρ = 1, because ρ's
+    gradient there is ∇log π, not 0. Sampled from π_old = π, the expected gradient of
+    the weighted term ρ·k3 is ∇KL(π ‖ π_ref), the reverse KL that PPO's reward penalty
+    follows (chapter 03); that of plain k3 (DeepSeekMath's loss) is ∇KL(π_ref ‖ π), the
+    forward KL. Once π has moved from π_old the weight also keeps the estimate of the
+    KL's value unbiased. Aggregation 'grpo' averages each
     sequence's tokens and then the sequences (a length bias: chapter 06); 'bnpo'
     averages over all real tokens of the batch. Padding is selected out with
     `where`, so garbage there cannot leak.

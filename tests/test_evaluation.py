@@ -8,8 +8,8 @@ import torch
 
 from marlhf_edu.evaluation import (cluster_bootstrap_interval, difference_interval, group_outcomes,
                                    before_after_change, paired_bootstrap_difference,
-                                   intraclass_correlation, mean_interval, prompts_needed, student_t_quantile,
-                                   wilson_interval)
+                                   intraclass_correlation, mcnemar_exact, mean_interval, paired_t_interval,
+                                   prompts_needed, student_t_quantile, wilson_interval)
 from marlhf_edu.toyworld import ToyWorld
 
 
@@ -47,6 +47,42 @@ def test_mean_interval_uses_t_and_covers():
     assert 0.935 < hits / 3000 < 0.965
     mean, lo, hi = mean_interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and hi - mean == pytest.approx(4.3027 * 1 / math.sqrt(3), abs=1e-3)
+
+
+def test_paired_t_interval_by_hand_and_where_welch_cannot_tell():
+    # differences 1..5: mean 3, sd sqrt(2.5), se sqrt(0.5), t = 3 / sqrt(0.5), half-width t_{.975,4} * se
+    a, b = [11.0, 22.0, 33.0, 44.0, 55.0], [10.0, 20.0, 30.0, 40.0, 50.0]
+    mean, lo, hi, t = paired_t_interval(a, b)
+    assert mean == pytest.approx(3.0)
+    assert hi - mean == pytest.approx(2.7764 * math.sqrt(0.5), abs=1e-4)
+    assert t == pytest.approx(3 / math.sqrt(0.5))
+    assert lo > 0 > difference_interval(a, b)[1]  # the shared between-seed spread hides it from Welch
+    assert paired_t_interval(b, a)[3] == pytest.approx(-t)
+    assert paired_t_interval([1.0, 2.0], [0.0, 1.0])[3] == math.inf  # identical differences
+    assert paired_t_interval([1.0, 2.0], [1.0, 2.0])[3] == 0.0
+    with pytest.raises(ValueError, match="pair them"):
+        paired_t_interval([1.0, 2.0, 3.0], [1.0, 2.0])
+    rng, hits = random.Random(3), 0  # coverage: runs share a seed effect of SD 5, the methods differ by 0.5
+    for _ in range(2000):
+        seed_effect = [rng.gauss(0.0, 5.0) for _ in range(5)]
+        x = [s + 0.5 + rng.gauss(0.0, 0.3) for s in seed_effect]
+        y = [s + rng.gauss(0.0, 0.3) for s in seed_effect]
+        _, lo, hi, _ = paired_t_interval(x, y)
+        hits += lo <= 0.5 <= hi
+    assert 0.93 < hits / 2000 < 0.975
+
+
+def test_mcnemar_exact_counts_only_the_discordant_items():
+    a = [True] * 50 + [True] * 10 + [False] * 2 + [False] * 38
+    b = [True] * 50 + [False] * 10 + [True] * 2 + [False] * 38
+    only_a, only_b, p = mcnemar_exact(a, b)
+    assert (only_a, only_b) == (10, 2)
+    assert p == pytest.approx(2 * (1 + 12 + 66) / 2 ** 12)  # 0.0386, by hand
+    assert mcnemar_exact(b, a) == (2, 10, p)
+    assert mcnemar_exact([True, False], [True, False]) == (0, 0, 1.0)  # no discordant item: no evidence
+    assert mcnemar_exact([True] * 5, [False] * 5)[2] == pytest.approx(2 / 32)
+    with pytest.raises(ValueError):
+        mcnemar_exact([True], [True, False])
 
 
 def test_difference_interval_is_welch():

@@ -317,6 +317,44 @@ def test_check_group_relative_advantages_passes_the_reference_and_fails_classic_
     assert not ex.check_group_relative_advantages(lambda r, G: r - r.view(-1, G).mean(1).repeat_interleave(G))
 
 
+def test_package_routes_to_the_group_and_leave_one_out_answers_are_withheld():
+    from marlhf_edu.grpo import group_relative_advantages
+    from marlhf_edu.policy_gradient import leave_one_out_baseline, reinforce_loss
+
+    def via_loo(r, G, loo=leave_one_out_baseline):  # (R - mean of the others) (G-1)/G = R - group mean
+        centred = (r - loo(r, G)) * (G - 1) / G
+        return centred / (r.view(-1, G).std(-1).repeat_interleave(G) + 1e-4)
+
+    def rloo_via_grpo(logprobs, rewards, mask, G):  # group_relative_advantages(scale="none") * G/(G-1) = R - b_loo
+        baseline = rewards - group_relative_advantages(rewards, G, scale="none") * G / (G - 1)
+        return reinforce_loss(logprobs, rewards, mask, baseline)
+
+    assert not ex.check_group_relative_advantages(via_loo)
+    assert not ex.check_rloo_loss(rloo_via_grpo)
+    # the same routes pass outside the checkers' window: the refusals above are the withholding, not a wrong formula
+    own_loo = private_copy(leave_one_out_baseline)
+    assert ex.check_group_relative_advantages(lambda r, G: via_loo(r, G, loo=own_loo))
+
+
+def test_check_ipo_loss_passes_the_reference_and_fails_classic_mistakes():
+    from marlhf_edu.dpo import dpo_loss, ipo_loss
+
+    def ipo(pc, pr, rc, rr, beta, target=None, reduce="mean", beta_inside=False):
+        h = (pc - rc) - (pr - rr)
+        t = 1 / (2 * beta) if target is None else target(beta)
+        sq = ((beta * h - beta * t) if beta_inside else (h - t)) ** 2
+        return sq.mean() if reduce == "mean" else sq.sum()
+
+    assert ex.check_ipo_loss(ipo) and ex.check_ipo_loss(ipo, seed=7)  # the test's own derivation
+    assert ex.check_ipo_loss(private_copy(ipo_loss))
+    assert not ex.check_ipo_loss(ipo_loss)  # withheld while the learner runs
+    assert not ex.check_ipo_loss(lambda *a: dpo_loss(*a)[0])  # DPO's loss: the margin never settles
+    assert not ex.check_ipo_loss(lambda *a: ipo(*a, target=lambda b: 1 / b))  # the target off by 2
+    assert not ex.check_ipo_loss(lambda *a: ipo(*a, reduce="sum"))  # a sum over pairs
+    assert not ex.check_ipo_loss(lambda *a: ipo(*a, beta_inside=True))  # β·h regressed: same minimum, other scale
+    assert not ex.check_ipo_loss(lambda pc, pr, rc, rr, b: ((pc - pr - 1 / (2 * b)) ** 2).mean())  # no reference
+
+
 def test_check_dequantize_q4_1_passes_the_reference_and_fails_classic_mistakes():
     import numpy as np
 

@@ -45,6 +45,32 @@ def test_grpo_loss_at_the_old_policy_is_minus_the_mean_advantage():
         grpo_loss(lp, lp, None, adv, mask, beta=0.1)
 
 
+def _expected_kl_gradient(weighted: bool, seed: int = 0):
+    """E_{y ~ π_old}[∇ grpo_loss's KL term] on one-token answers over 30 tokens, with π_old = π, exactly."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(30, generator=g, dtype=torch.float64).requires_grad_(True)
+    ref = torch.log_softmax(torch.randn(30, generator=g, dtype=torch.float64), -1)
+    logp = torch.log_softmax(logits, -1)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    terms = torch.stack([grpo_loss(logp[y].view(1, 1), logp[y].detach().view(1, 1), ref[y].view(1, 1),
+                                   torch.zeros(1, dtype=torch.float64), one, beta=1.0,
+                                   kl_importance_weighted=weighted) for y in range(30)])
+    (logp.exp().detach() * terms).sum().backward(retain_graph=True)  # each answer weighted by how often π_old samples it
+    reverse = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), logits, retain_graph=True)[0]
+    forward = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), logits)[0]
+    return logits.grad, reverse, forward
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_ratio_weight_turns_k3s_gradient_from_forward_to_reverse_kl(seed):
+    # at ρ = 1 the weight's value is 1 but its gradient is ∇log π: with it, E[∇] = ∇KL(π‖π_ref) (reverse);
+    # without it (DeepSeekMath's k3), E[∇] = ∇KL(π_ref‖π) (forward)
+    weighted, reverse, forward = _expected_kl_gradient(True, seed)
+    plain, _, _ = _expected_kl_gradient(False, seed)
+    assert (weighted - reverse).norm() < 1e-12 < 1e-2 < (weighted - forward).norm()
+    assert (plain - forward).norm() < 1e-12 < 1e-2 < (plain - reverse).norm()
+
+
 def test_grpo_loss_clips_like_ppo():
     old = torch.zeros(1, 1)
     up = torch.full((1, 1), 0.5, requires_grad=True)  # ratio e^0.5 = 1.65 > 1.2

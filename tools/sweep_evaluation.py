@@ -3,6 +3,7 @@
     python tools/sweep_evaluation.py goodhart   # -> benchmarks/overoptimisation.json (about 25 min on 2 cores)
     python tools/sweep_evaluation.py seeds      # -> benchmarks/seed_comparison.json  (about 12 min on 2 cores)
     python tools/sweep_evaluation.py contrasts  # -> benchmarks/dpo_grpo_seeds.json   (about 12 min on 2 cores)
+    python tools/sweep_evaluation.py sft        # -> benchmarks/sft_seeds.json        (under 1 min on 2 cores)
 
 goodhart: four-model PPO from the shipped SFT model and reward adapter (configs/tiny_ppo.yaml) at a
 learning rate of 1e-4 for 100 steps, for several fixed β and seeds. Every step logs the reward model's
@@ -17,6 +18,10 @@ several seeds, with each run's held-out answers kept per prompt, so the chapter 
 contrasts (chapter 12): DPO (configs/tiny_dpo.yaml) and GRPO against the reward model and against the gold
 judge (configs/tiny_grpo.yaml) with trl, for the same seeds as `seeds`, each run's held-out answers kept
 the same way (sampled with seed 1000 + seed), so chapter 12 can set them beside PPO and MA-PPO.
+
+sft (chapter 12): the shipped SFT model, untrained, answering the same held-out prompts with the same
+sampling seeds (1000 + seed, 32 new tokens, 4 answers per prompt), so every trained policy can be compared
+with its starting point paired by sampling seed and prompt.
 
 Each writes the machine it ran on next to the numbers.
 """
@@ -186,6 +191,26 @@ def contrasts(args) -> dict:
             "eval_repeats": 4, "runs": runs, "machine": machine()}
 
 
+def sft(args) -> dict:
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_sft_model
+    from marlhf_edu.ppo.backends import quiet_loading
+    from marlhf_edu.stages.common import evaluate_trained_policy
+
+    with quiet_loading():
+        policy, tokenizer = load_sft_model()
+    runs = []
+    for seed in args.seeds:
+        print(f"sft: sampling seed {1000 + seed}", flush=True)
+        metrics = evaluate_trained_policy(policy, tokenizer, toy_seed=0, reward_base=str(SFT_DIR),
+                                          reward_adapter=str(REWARD_ADAPTER_DIR), repeats=args.repeats,
+                                          max_new_tokens=args.max_new_tokens, seed=1000 + seed)
+        runs.append({"method": "SFT", "seed": seed, "held_out": {k: round(v, 4) for k, v in metrics.items()
+                                                                if k != "samples"},
+                     "samples": [{k: s[k] for k in ("question", "kind", "verdict")} for s in metrics["samples"]]})
+    return {"model": "the shipped SFT model (marlhf_edu/assets/tiny_sft), untrained", "eval_repeats": args.repeats,
+            "max_new_tokens": args.max_new_tokens, "runs": runs, "machine": machine()}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="sweep", required=True)
@@ -207,12 +232,17 @@ def main(argv=None):
     c.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     c.add_argument("--skip", nargs="*", default=[], help="methods to leave out (a quick check)")
     c.add_argument("--out", default="benchmarks/dpo_grpo_seeds.json")
-    for p in (g, s, c):
+    f = sub.add_parser("sft")
+    f.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    f.add_argument("--repeats", type=int, default=4)
+    f.add_argument("--max_new_tokens", type=int, default=32)
+    f.add_argument("--out", default="benchmarks/sft_seeds.json")
+    for p in (g, s, c, f):
         p.add_argument("--run_dir", default=str(ROOT / "runs"), help="where the runs' scratch directories go")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    result = {"goodhart": goodhart, "seeds": seeds, "contrasts": contrasts}[args.sweep](args)
+    result = {"goodhart": goodhart, "seeds": seeds, "contrasts": contrasts, "sft": sft}[args.sweep](args)
     result = {"command": " ".join(["python tools/sweep_evaluation.py", *argv]), **result,
               "sweep_wall_s": round(time.perf_counter() - start, 1)}
     out = ROOT / args.out  # an absolute --out stays as it is
