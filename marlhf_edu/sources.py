@@ -157,6 +157,20 @@ def local_path(ref) -> pathlib.Path:
     return ASSETS / ref[len("zoo/"):] if ref.startswith("zoo/") else pathlib.Path(ref).expanduser()
 
 
+def require_adapter_folder(ref, key: str) -> None:
+    """Refuse, naming `key`, an adapter reference that is not a local LoRA folder (no `adapter_config.json`), before
+    anything loads: otherwise peft finds it after the models it goes on have loaded, or after training. A hub
+    reference (`hf:owner/name`) is resolved when it loads and is not checked here."""
+    from marlhf_edu.stages.common import ConfigError
+
+    if str(ref).startswith(HUB_PREFIX):
+        return
+    path = local_path(ref)
+    if not (path / "adapter_config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no adapter_config.json"
+        raise ConfigError(f"{key}: {ref} {what}; it must be a LoRA adapter folder (as the reward stage writes one)")
+
+
 def adapter_base(adapter_dir) -> str:
     """The base an adapter records (`base_model_name_or_path`), as a model reference: a bare hub id that peft wrote
     (`meta-llama/Llama-2-7b-hf`, no such folder here) becomes `hf:meta-llama/Llama-2-7b-hf`."""

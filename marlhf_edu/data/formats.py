@@ -318,7 +318,7 @@ def read_json_rows(path: str) -> list[dict]:
 def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, system: str | None, kind: str,
              tokenizer=None):
     if fmt not in table:
-        raise ValueError(f"unknown {kind} format {fmt!r}; choose one of {', '.join(table)}")
+        raise DataFileError(f"{source}: unknown {kind} format {fmt!r} (dataset_format); choose one of {', '.join(table)}")
     convert = table[fmt]
     template = template_for(tokenizer, system)
     report, out = LoadReport(), []
@@ -338,7 +338,7 @@ def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, sys
         first = with_margin.index(False)
         raise BadRowError(first, "margin", "some rows have a margin and this one has none")
     if not out:
-        raise ValueError(f"no usable rows in {source!r}: {report.summary()}")
+        raise DataFileError(f"no usable rows in {source!r}: {report.summary()}")
     if report.skipped:
         warnings.warn(f"{kind} data: {report.summary()}", stacklevel=3)
     import datasets

@@ -82,8 +82,9 @@ def check_reward_adapter_base(adapter_dir, base_in_use) -> None:
     from marlhf_edu.sources import adapter_base
     from marlhf_edu.stages.common import ConfigError
 
-    if not (pathlib.Path(adapter_dir) / "adapter_config.json").exists():
-        return  # not an adapter folder: loading it names the problem
+    from marlhf_edu.sources import require_adapter_folder
+
+    require_adapter_folder(adapter_dir, "reward_adapter_path")
     recorded = adapter_base(adapter_dir)
     if not same_model_path(recorded, base_in_use):
         raise ConfigError(f"the reward adapter {adapter_dir} was trained on {recorded!r} (its adapter_config.json) "

@@ -71,6 +71,10 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
         parsed = parser.parse_args_and_config(argv)
     except SystemExit as err:  # argparse exits on a bad value; turn it into an error a caller can catch
         raise ConfigError(f"invalid configuration value (see the message above): {argv}") from err
+    except ValueError as err:  # a config class refusing its own values (trl/transformers __post_init__)
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"invalid configuration: {err}") from None
     for args in parsed:  # a trl stage told to train for nothing would save its untrained model and exit 0
         epochs, steps = getattr(args, "num_train_epochs", None), getattr(args, "max_steps", None)
         if epochs is not None and steps is not None and epochs <= 0 and steps <= 0:

@@ -16,6 +16,7 @@ true` keeps their weights in NF4, about 3.6 GiB each, planned). Taught in chapte
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 JUDGES = ("auto", "toy", "keyword")
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    load_tokenizer, loading_kwargs)
     from marlhf_edu.ppo import ScoredPolicy
     from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.sources import local_path
+    from marlhf_edu.sources import local_path, require_adapter_folder
     from marlhf_edu.stages.common import ConfigError, parse_stage_args
     from marlhf_edu.stages.ppo import judge_policy
 
@@ -72,6 +73,15 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError("--repeats, --prompts and --max_new_tokens must be >= 1 and --temperature > 0")
     loading = loading_kwargs(args.device, args.dtype, args.load_in_4bit)  # bad --device/--dtype: before loading
     adapter = REWARD_ADAPTER_DIR if args.reward_adapter == "zoo" else local_path(args.reward_adapter)
+    require_adapter_folder(args.reward_adapter if args.reward_adapter != "zoo" else adapter, "--reward_adapter")
+    if args.output_dir:  # a folder it cannot write is found now, not after every answer was generated
+        out = pathlib.Path(args.output_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"--output_dir {out} cannot be written ({err.strerror})") from None
+        if not os.access(out, os.W_OK):
+            raise ConfigError(f"--output_dir {out} cannot be written (permission denied)")
     reward_base = args.reward_base or (str(SFT_DIR) if args.reward_adapter == "zoo" else reward_base_of(adapter))
     with quiet_loading():
         policy, tokenizer = load_sft_model(args.model, **loading)

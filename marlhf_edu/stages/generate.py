@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         raise ConfigError("generate needs at least one --prompt")
     if args.temperature < 0:
         raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     model, tokenizer = load_sft_model(args.model, **loading_kwargs(args.device, args.dtype, args.load_in_4bit))
     template = template_for(tokenizer)
     answers = generate_responses(model, tokenizer, [template.dialogue([(p, None)]) for p in args.prompt],

@@ -82,8 +82,9 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
     from marlhf_edu.ppo.backends import quiet_loading
+    from marlhf_edu.sources import require_adapter_folder
     from marlhf_edu.stages.common import ConfigError, resolve_zoo
     from marlhf_edu.stages.dpo import evaluate_after, load_policy, lora_policy_config
     from marlhf_edu.stages.ppo import load_prompts
@@ -96,6 +97,20 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     if training_args.reward_weights is not None:
         raise ConfigError("reward_weights is set by the stage (the reward, and the toy judge at weight 0)")
     peft_config = lora_policy_config(model_args, "GRPO")
+    if script_args.drop_long_prompts and not script_args.max_prompt_length:
+        raise ConfigError("drop_long_prompts needs max_prompt_length (the limit to drop at)")
+    if script_args.reward == "reward_model" or (toy and script_args.eval_repeats):  # before training, not after
+        require_adapter_folder(resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR), "reward_adapter_path")
+    # the prompts and their lengths are checked with the tokenizer alone, before any model loads
+    tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
+    texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template
+    if script_args.max_prompt_length and not script_args.drop_long_prompts:
+        lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+        long = [i for i, n in enumerate(lengths) if n > script_args.max_prompt_length]
+        if long:
+            raise ConfigError(f"{len(long)} of {len(texts)} prompts exceed max_prompt_length="
+                              f"{script_args.max_prompt_length} tokens (first: prompt {long[0]}, {lengths[long[0]]} "
+                              "tokens); raise it or pass --drop_long_prompts true")
     with quiet_loading():
         model, tokenizer = load_policy(model_args)
     funcs, weights = [], []
@@ -111,16 +126,6 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
         funcs.append(gold_reward(ToyWorld(ToyWorldConfig(seed=script_args.toy_seed))))
         weights.append(1.0 if script_args.reward == "gold" else 0.0)  # logged, not optimised, unless chosen
     training_args.reward_weights = weights
-    if script_args.drop_long_prompts and not script_args.max_prompt_length:
-        raise ConfigError("drop_long_prompts needs max_prompt_length (the limit to drop at)")
-    texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template
-    if script_args.max_prompt_length and not script_args.drop_long_prompts:
-        lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
-        long = [i for i, n in enumerate(lengths) if n > script_args.max_prompt_length]
-        if long:
-            raise ConfigError(f"{len(long)} of {len(texts)} prompts exceed max_prompt_length="
-                              f"{script_args.max_prompt_length} tokens (first: prompt {long[0]}, {lengths[long[0]]} "
-                              "tokens); raise it or pass --drop_long_prompts true")
     prompts = Dataset.from_list([{"prompt": p} for p in texts])
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=training_args, train_dataset=prompts,
                           processing_class=tokenizer, peft_config=peft_config)

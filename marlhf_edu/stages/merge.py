@@ -47,6 +47,7 @@ def _sample_batch(tokenizer, n: int):
 def merge(args: MergeArguments) -> dict:
     """Merge, check, save; returns the check's numbers."""
     import json
+    import os
     import pathlib
 
     import torch
@@ -62,6 +63,9 @@ def merge(args: MergeArguments) -> dict:
         raise ConfigError("merge needs --adapter and --output_dir")
     if args.dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {DTYPES}, got {args.dtype!r}")
+    if args.check_prompts < 1 or not 0 < args.min_agreement <= 1:
+        raise ConfigError(f"--check_prompts must be >= 1 and --min_agreement in (0, 1], got {args.check_prompts} and "
+                          f"{args.min_agreement}")
     device = resolve_device(args.device)
     adapter = pathlib.Path(args.adapter)
     if not (adapter / "adapter_config.json").exists():
@@ -77,6 +81,9 @@ def merge(args: MergeArguments) -> dict:
         raise ConfigError(f"--output_dir {out} is the adapter or its base (or inside one): choose another folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise ConfigError(f"--output_dir {out} exists and is not empty; pass --overwrite true to replace it")
+    parent = next((p for p in out.resolve().parents if p.exists()), None)  # where the merged folder will be made
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--output_dir {out} cannot be created: {parent} is not a folder this user can write")
     tokenizer = load_tokenizer(adapter if (adapter / "tokenizer_config.json").exists() else base_ref)
     with quiet_loading():
         base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(base_ref),

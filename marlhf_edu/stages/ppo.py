@@ -173,6 +173,46 @@ def export_policy(backend, config, out_dir) -> None:
     record_base(out_dir, config.sft_model_path)
 
 
+def check_before_loading(config, backend_factory=None) -> None:
+    """The user's mistakes a model load would otherwise find first, refused as `ConfigError` before anything
+    loads: an unknown tracker, an engine option the chosen engine cannot honour, a reward adapter folder that
+    does not exist, and a prompt file that cannot be read (read once here without the tokenizer; prompt lengths
+    are checked after it loads)."""
+    import contextlib
+    import dataclasses
+    import io
+
+    from marlhf_edu.data.formats import DataFileError
+    from marlhf_edu.models import REWARD_ADAPTER_DIR
+    from marlhf_edu.sources import require_adapter_folder
+    from marlhf_edu.stages.common import ConfigError
+
+    if config.report_to not in ("none", "", None):
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        if config.report_to not in LOGGER_TYPE_TO_CLASS and config.report_to != "all":
+            raise ConfigError(f"report_to: {config.report_to!r} is not a tracker accelerate knows "
+                              f"({', '.join(sorted(LOGGER_TYPE_TO_CLASS))}, or 'none')")
+    multi_adapter = getattr(backend_factory, "__qualname__", "").startswith("MultiAdapterBackend")
+    if multi_adapter and config.critic_init == "reward_model" and config.value_mode != "adapter":
+        raise ConfigError("critic_init: reward_model needs value_mode: adapter (the value adapter starts as a copy "
+                          "of the reward adapter); a shared head reads the policy's features, not the reward's")
+    if backend_factory is None and config.merged_rollout and config.actor_lora_r == 0:
+        raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor already "
+                          "samples from dense weights")
+    if config.reward_adapter_path != "zoo":
+        require_adapter_folder(config.reward_adapter_path, "reward_adapter_path")
+    else:
+        require_adapter_folder(REWARD_ADAPTER_DIR, "reward_adapter_path")
+    if config.dataset_name != "toy":
+        quiet = dataclasses.replace(config, drop_long_prompts=False, helpful_prompt_share=0.0)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                load_prompts(quiet, None)
+        except DataFileError as err:
+            raise ConfigError(str(err)) from None
+
+
 def run(config, backend_factory=None, progress: bool = True) -> dict:
     """Train; return `{"before": eval, "after": eval, "records": [...]}` (evals with a judge: toy or hh-rlhf data).
 
@@ -184,6 +224,7 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     from marlhf_edu.ppo.run_files import RunLock, check_run_folder
 
     config.validate()
+    check_before_loading(config, backend_factory)
     with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
         checked = check_run_folder(config)
         return _run(config, backend_factory, progress, checked)

@@ -1,0 +1,130 @@
+"""Issue 37 (item 2's rule, every stage): a user's mistake is refused as a `ConfigError` (or a data error) before
+any model loads or anything is written, not after loading, training or generating. Every model load below
+raises, so a check that comes too late fails the test with an AssertionError instead of the expected error."""
+
+import pathlib
+
+import pytest
+
+from marlhf_edu.data.formats import DataFileError
+from marlhf_edu.stages.common import ConfigError
+
+TINY_PPO = ["--batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size", "2", "--forward_batch_size", "8",
+            "--max_new_tokens", "8", "--device", "cpu", "--eval_repeats", "1", "--total_steps", "1"]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every way the stages load a model or an adapter raises."""
+    import peft
+    import transformers
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the mistake was refused")
+
+    for name in ("AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassification"):
+        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", loaded)
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", loaded)
+
+
+def ppo(argv, multi_adapter=False):
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+    from marlhf_edu.stages.ppo import main
+
+    return main(argv, backend_factory=MultiAdapterBackend.from_config if multi_adapter else None, progress=False)
+
+
+def test_ppo_refuses_an_unknown_tracker_before_loading_or_writing(tmp_path, no_loading):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="report_to: 'bogus' is not a tracker"):
+        ppo([*TINY_PPO, "--output_dir", str(out), "--report_to", "bogus"])
+    assert not out.exists()  # not even the lock: the folder was never made
+
+
+def test_ppo_refuses_a_missing_prompt_file_before_loading(tmp_path, no_loading):
+    with pytest.raises(ConfigError, match="no_such.jsonl"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--dataset_name", str(tmp_path / "no_such.jsonl"),
+             "--dataset_format", "prompt", "--eval_repeats", "0"])
+
+
+@pytest.mark.parametrize("multi_adapter", [False, True])
+@pytest.mark.parametrize("with_base", [False, True])
+def test_a_missing_reward_adapter_is_refused_before_loading(tmp_path, no_loading, multi_adapter, with_base):
+    extra = ["--reward_base_path", "zoo"] if with_base and not multi_adapter else []
+    with pytest.raises(ConfigError, match="reward_adapter_path: .*no_adapter does not exist"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--reward_adapter_path", str(tmp_path / "no_adapter"),
+             *extra], multi_adapter=multi_adapter)
+
+
+def test_engine_options_the_engine_cannot_honour_are_refused_before_loading(tmp_path, no_loading):
+    with pytest.raises(ConfigError, match="merged_rollout needs a LoRA policy"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "a"), "--merged_rollout", "true"])
+    with pytest.raises(ConfigError, match="critic_init: reward_model needs value_mode: adapter"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "b"), "--critic_init", "reward_model", "--value_mode", "shared"],
+            multi_adapter=True)
+
+
+def test_grpo_checks_its_prompts_and_reward_adapter_before_loading(tmp_path, no_loading):
+    from marlhf_edu.stages.grpo import main
+
+    base = ["--config", "configs/tiny_grpo.yaml", "--output_dir", str(tmp_path / "grpo")]
+    with pytest.raises(ConfigError, match="drop_long_prompts needs max_prompt_length"):
+        main([*base, "--drop_long_prompts", "true"])
+    with pytest.raises(ConfigError, match="reward_adapter_path: .*no_adapter does not exist"):
+        main([*base, "--reward_adapter_path", str(tmp_path / "no_adapter")])
+    with pytest.raises(ConfigError, match="reward_adapter_path"):  # the judge trains; the evaluation needs the adapter
+        main([*base, "--reward", "gold", "--reward_adapter_path", str(tmp_path / "no_adapter")])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "' + "word " * 40 + '"}\n')
+    with pytest.raises(ConfigError, match="exceed max_prompt_length=8"):
+        main([*base, "--dataset_name", str(prompts), "--dataset_format", "prompt", "--max_prompt_length", "8",
+              "--eval_repeats", "0"])
+    with pytest.raises(DataFileError, match="no_such.jsonl"):
+        main([*base, "--dataset_name", str(tmp_path / "no_such.jsonl"), "--dataset_format", "prompt",
+              "--eval_repeats", "0"])
+
+
+def test_dpo_checks_the_reward_adapter_of_its_evaluation_before_training(tmp_path, no_loading):
+    from marlhf_edu.stages.dpo import main
+
+    with pytest.raises(ConfigError, match="reward_adapter_path: .*no_adapter does not exist"):
+        main(["--config", "configs/tiny_dpo.yaml", "--output_dir", str(tmp_path / "dpo"),
+              "--reward_adapter_path", str(tmp_path / "no_adapter")])
+
+
+def test_evaluate_generate_and_merge_refuse_bad_arguments_before_loading(tmp_path, no_loading):
+    from marlhf_edu.stages import evaluate, generate, merge
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(ConfigError, match="--output_dir .* cannot be written"):
+        evaluate.main(["--model", "zoo", "--output_dir", str(a_file / "eval")])
+    with pytest.raises(ConfigError, match="--reward_adapter: .*no_adapter does not exist"):
+        evaluate.main(["--model", "zoo", "--reward_base", "zoo", "--reward_adapter", str(tmp_path / "no_adapter")])
+    with pytest.raises(ConfigError, match="--max_new_tokens must be >= 1"):
+        generate.main(["--model", "zoo", "--prompt", "Hello", "--max_new_tokens", "0"])
+    adapter = pathlib.Path("marlhf_edu/assets/smollm2_sft_adapter")
+    assert (adapter / "adapter_config.json").exists()
+    for flags, message in ((["--check_prompts", "0"], "--check_prompts must be >= 1"),
+                           (["--min_agreement", "1.5"], "--min_agreement in \\(0, 1\\]"),
+                           ([], "cannot be created")):
+        out = a_file / "merged" if not flags else tmp_path / "merged"
+        with pytest.raises(ConfigError, match=message):
+            merge.main(["--adapter", str(adapter), "--output_dir", str(out), *flags])
+
+
+def test_a_config_class_refusing_its_values_is_a_config_error(tmp_path):
+    from marlhf_edu.stages.sft import main
+
+    with pytest.raises(ConfigError, match="invalid configuration"):
+        main(["--config", "configs/tiny_sft.yaml", "--output_dir", str(tmp_path / "sft"), "--fp16", "true",
+              "--bf16", "true"])
+
+
+def test_an_unknown_data_format_is_a_data_error_naming_the_key(tmp_path):
+    from marlhf_edu.data.formats import load_preferences
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    with pytest.raises(DataFileError, match="unknown preference format 'bogus' \\(dataset_format\\)"):
+        load_preferences(str(pairs), "bogus")
