@@ -102,7 +102,23 @@ def ipo_loss(
     return ((margin - 1 / (2 * beta)) ** 2).mean()
 
 
-def margin_trajectory(loss_fn, beta: float, steps: int = 2000, lr: float = 0.25) -> list[float]:
+def ipo_preferred_margin(p, beta: float):
+    r"""Where IPO's loss puts the log-ratio margin h(y, y') of a pair the data state as (y, y') a share p of the
+    time and as (y', y) the rest: the minimum of p·(h − 1/(2β))² + (1 − p)·(−h − 1/(2β))²,
+
+    .. math:: h^* = \frac{2p - 1}{2\beta} = \frac{p - 1/2}{\beta},
+
+    finite for every p, 1/(2β) for a certain preference (p = 1) and 0 for none. DPO's optimum for the same data,
+    σ(βh) = p, is h = log(p / (1 − p)) / β: unbounded as p → 1. `p` a float or a tensor.
+
+    Taught in chapter 12 (the reference of its exercise).
+    """
+    if not beta > 0:
+        raise ValueError(f"ipo_preferred_margin: `beta` must be > 0, got {beta!r}")
+    return (2 * p - 1) / (2 * beta)
+
+
+def margin_trajectory(loss_fn, beta: float, steps: int = 2000, lr: float = 0.1) -> list[float]:
     r"""The log-ratio margin h of one pair whose preference is certain, after each of `steps` gradient steps.
 
     The policy is the simplest one: a free logit per answer (chosen, rejected, one other), the reference

@@ -245,7 +245,7 @@ def paired_bootstrap_difference(before: Sequence[Sequence[float]], after: Sequen
     before and after moves both rates together. Two separate `cluster_bootstrap_interval`\ s ignore that
     pairing and overlap even when the paired interval excludes 0.
 
-    Taught in chapter 13.
+    Taught in chapter 12; chapter 13 uses it on the real model.
     """
     fn = "paired_bootstrap_difference"
     _check_confidence(fn, confidence)

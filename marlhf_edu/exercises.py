@@ -741,51 +741,57 @@ def check_group_relative_advantages(fn: Callable, seed: int = 0) -> CheckReport:
     ])
 
 
-@_withholds("marlhf_edu.dpo.ipo_loss")
-def check_ipo_loss(fn: Callable, seed: int = 0) -> CheckReport:
-    """Check `fn(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta) -> loss`:
-    IPO's loss, whose minimum puts each pair's log-ratio margin at a finite target set by β.
+@_withholds("marlhf_edu.dpo.ipo_preferred_margin", "marlhf_edu.dpo.ipo_loss")
+def check_ipo_margin(fn: Callable, seed: int = 0) -> CheckReport:
+    """Check `fn(p, beta) -> margin`: where IPO's loss settles the log-ratio margin h(y, y') of a pair that the
+    data state as (y, y') a share p of the time and reversed the rest.
 
-    Chapter 12's exercise; compared with `marlhf_edu.dpo.ipo_loss` in value and in gradient, and by what the
-    loss does when it is trained: on a pair whose preference is certain (`marlhf_edu.dpo.margin_trajectory`,
-    300 plain gradient steps) the margin must settle at 1/(2β) rather than grow as DPO's does. A non-zero
-    `seed` draws other random cases.
+    Chapter 12's exercise; compared with `marlhf_edu.dpo.ipo_preferred_margin`, and with what training finds:
+    free logits (`margin_trajectory`) trained by IPO's loss on a batch that holds the pair in both orders in
+    the proportions p and 1 − p. `ipo_loss` is withheld too, so the answer cannot be simulated with the
+    package's loss. A non-zero `seed` draws other random cases.
     """
-    from marlhf_edu.dpo import ipo_loss, margin_trajectory
+    from marlhf_edu.dpo import ipo_loss, ipo_preferred_margin, margin_trajectory
 
-    fn = _learner(fn, check_ipo_loss)
-    gen = torch.Generator().manual_seed(seed + 120)
+    fn = _learner(fn, check_ipo_margin)
 
-    def inputs(B, beta, shift=0.0, spread=1.0):
-        logps = -torch.rand(4, B, generator=gen, dtype=torch.float64) * 20 - shift
-        logps[0] = logps[2] + spread * torch.randn(B, generator=gen, dtype=torch.float64)  # near the reference
-        return lambda: [*(x.clone() for x in logps), beta]
+    def case(label, p, beta):
+        def run():
+            expected = ipo_preferred_margin(torch.as_tensor(p, dtype=torch.float64), beta)
+            return _compare(label, torch.as_tensor(fn(p, beta), dtype=torch.float64), expected, 1e-6, 1e-6)
+        return label, run
 
-    def case(label, B, beta, wrt=0, **kw):
-        return _loss_and_grad_case(fn, label, inputs(B, beta, **kw), ipo_loss, wrt=wrt, atol_grad=1e-7)
-
-    def settles(beta):
-        label = f"a certain pair, 300 gradient steps, beta = {beta}: the margin settles where IPO puts it"
+    def trained(label, forward: int, backward: int, beta: float):
+        def mixed(pc, pr, rc, rr, b):  # the pair `forward` times as (y, y'), `backward` times as (y', y)
+            rows = [(pc, pr, rc, rr)] * forward + [(pr, pc, rr, rc)] * backward
+            return ipo_loss(*(torch.cat(column) for column in zip(*rows)), b)
 
         def run():
-            got = margin_trajectory(fn, beta, steps=300, lr=0.1)[-1]
-            target = margin_trajectory(ipo_loss, beta, steps=300, lr=0.1)[-1]
-            if abs(got - target) > 1e-3:
-                return f"{label}: margin {got:.4g} after 300 steps, expected {target:.4g}"
+            settled = margin_trajectory(mixed, beta, steps=300)[-1]
+            got = float(fn(forward / (forward + backward), beta))
+            if abs(got - settled) > 1e-3:
+                return f"{label}: got {got:.4g}, training settles at {settled:.4g}"
             return None
         return label, run
 
-    at_reference = [torch.full((1,), -3.0, dtype=torch.float64)] * 4
-    return _run("check_ipo_loss", [
-        _loss_and_grad_case(fn, "one pair at the reference, beta = 0.1", lambda: [*(x.clone() for x in at_reference), 0.1],
-                            ipo_loss, wrt=0),
-        case("8 pairs, beta = 0.1: one number for the batch", 8, 0.1),
-        case("8 pairs, beta = 0.5, margins on both sides of the target", 8, 0.5, spread=4.0),
-        case("gradient with respect to the rejected answers' log-probs", 6, 0.2, wrt=1),
-        case("long answers (log-probs near -300): only the log-ratios matter", 5, 0.1, shift=300.0),
-        settles(0.1),
-        settles(0.5),
-    ])
+    cases = [
+        case("a certain preference (p = 1), beta = 0.1", 1.0, 0.1),
+        case("no preference (p = 0.5)", 0.5, 0.1),
+        case("preferred 3 times in 4, beta = 0.1", 0.75, 0.1),
+        case("preferred 1 time in 5: the margin points the other way", 0.2, 0.1),
+        case("beta = 0.5, p = 0.9", 0.9, 0.5),
+        case("a tensor of probabilities", torch.tensor([0.0, 0.3, 0.5, 0.8, 1.0], dtype=torch.float64), 0.2),
+        trained("what training finds: 3 times one way, once the other, beta = 0.2", 3, 1, 0.2),
+    ]
+    if seed:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(3):
+            p, beta = round(float(torch.rand(1, generator=gen)), 3), round(0.05 + float(torch.rand(1, generator=gen)), 3)
+            cases.append(case(f"random: p = {p}, beta = {beta}", p, beta))
+        forward, backward = (int(x) for x in torch.randint(1, 5, (2,), generator=gen))
+        cases.append(trained(f"what training finds: {forward} times one way, {backward} the other, beta = 0.3",
+                             forward, backward, 0.3))
+    return _run("check_ipo_margin", cases)
 
 
 @_withholds("marlhf_edu.gguf_blocks.dequantize_q4_1")

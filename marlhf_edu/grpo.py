@@ -27,8 +27,10 @@ def group_relative_advantages(rewards: torch.Tensor, group_size: int, scale: str
                               eps: float = 1e-4) -> torch.Tensor:
     r"""Each answer's reward relative to its group: (B,) → (B,).
 
-    .. math:: A_i = \frac{R_i - \bar R_{g(i)}}{s + \epsilon}, \qquad
-              s = \mathrm{std}_{g(i)}(R)\ \text{('group')},\ \mathrm{std}(R)\ \text{('batch')},\ 1 - \epsilon\ \text{('none')}
+    .. math:: A_i = \frac{R_i - \bar R_{g(i)}}{s + \delta}, \qquad
+              s = \mathrm{std}_{g(i)}(R)\ \text{('group')},\ \mathrm{std}(R)\ \text{('batch')},\ 1 - \delta\ \text{('none')}
+
+    δ = `eps` only keeps the division finite (ε is PPO's clip range elsewhere).
 
     `rewards` in B / G consecutive groups of `group_size` = G answers to one prompt
     (the `repeat_interleave` layout of trl and of `leave_one_out_baseline`). The
@@ -71,8 +73,10 @@ def grpo_loss(
     r"""GRPO's loss: PPO's clipped surrogate per token with a sequence's advantage, plus β·k3 to the reference.
 
     .. math:: \ell_{bt} = -\min\big(\rho_{bt} A_b,\ \mathrm{clip}(\rho_{bt}, 1-\epsilon, 1+\epsilon) A_b\big)
-              + \beta\,\big(e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1\big)_{bt},
+              + \beta\,[\rho_{bt}]\,\big(e^{\log\pi_{ref} - \log\pi} - (\log\pi_{ref} - \log\pi) - 1\big)_{bt},
               \qquad \rho_{bt} = e^{\log\pi_{bt} - \log\pi_{old,bt}}
+
+    where [ρ] is there with `kl_importance_weighted` (the default) and 1 without.
 
     `logprobs` (with gradient), `old_logprobs`, `ref_logprobs`, `mask`: (B, T) over
     the completion tokens; `advantages`: (B,). `ref_logprobs` may be None when

@@ -67,6 +67,10 @@ def test_student_source_drops_the_answers_and_localises_paths():
         assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
     gae = book.student_source(nbformat.read(ROOT / "notebooks" / "05_gae.ipynb", 4), "05_gae", set())
     assert sum("not shown in the student copy" in c.source for c in gae.cells) == 2
+    # a checker in an ungraded cell (chapter 12's silent-bug demonstration) hides nothing; the graded one does
+    contrasts = book.student_source(nbformat.read(ROOT / "notebooks" / "12_dpo_and_grpo.ipynb", 4), "12", set())
+    text = "\n".join(c.source for c in contrasts.cells)
+    assert "show(group_relative_advantages)" in text and "show(ipo_loss)" not in text
 
 
 def fill_in_solutions(released: pathlib.Path, source: pathlib.Path) -> None:

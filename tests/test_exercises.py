@@ -336,23 +336,20 @@ def test_package_routes_to_the_group_and_leave_one_out_answers_are_withheld():
     assert ex.check_group_relative_advantages(lambda r, G: via_loo(r, G, loo=own_loo))
 
 
-def test_check_ipo_loss_passes_the_reference_and_fails_classic_mistakes():
-    from marlhf_edu.dpo import dpo_loss, ipo_loss
+def test_check_ipo_margin_passes_the_reference_and_fails_classic_mistakes():
+    import math
 
-    def ipo(pc, pr, rc, rr, beta, target=None, reduce="mean", beta_inside=False):
-        h = (pc - rc) - (pr - rr)
-        t = 1 / (2 * beta) if target is None else target(beta)
-        sq = ((beta * h - beta * t) if beta_inside else (h - t)) ** 2
-        return sq.mean() if reduce == "mean" else sq.sum()
+    from marlhf_edu.dpo import ipo_preferred_margin
 
-    assert ex.check_ipo_loss(ipo) and ex.check_ipo_loss(ipo, seed=7)  # the test's own derivation
-    assert ex.check_ipo_loss(private_copy(ipo_loss))
-    assert not ex.check_ipo_loss(ipo_loss)  # withheld while the learner runs
-    assert not ex.check_ipo_loss(lambda *a: dpo_loss(*a)[0])  # DPO's loss: the margin never settles
-    assert not ex.check_ipo_loss(lambda *a: ipo(*a, target=lambda b: 1 / b))  # the target off by 2
-    assert not ex.check_ipo_loss(lambda *a: ipo(*a, reduce="sum"))  # a sum over pairs
-    assert not ex.check_ipo_loss(lambda *a: ipo(*a, beta_inside=True))  # β·h regressed: same minimum, other scale
-    assert not ex.check_ipo_loss(lambda pc, pr, rc, rr, b: ((pc - pr - 1 / (2 * b)) ** 2).mean())  # no reference
+    derived = lambda p, beta: (2 * p - 1) / (2 * beta)  # noqa: E731  the test's own minimisation, by hand
+    assert ex.check_ipo_margin(derived) and ex.check_ipo_margin(derived, seed=7)
+    assert ex.check_ipo_margin(private_copy(ipo_preferred_margin))
+    assert not ex.check_ipo_margin(ipo_preferred_margin)  # withheld while the learner runs
+    assert not ex.check_ipo_margin(lambda p, beta: 1 / (2 * beta) + 0 * p)  # the certain pair's target for every p
+    assert not ex.check_ipo_margin(lambda p, beta: (p - 0.5) / (2 * beta))  # half the margin
+    assert not ex.check_ipo_margin(lambda p, beta: p / (2 * beta))  # a target that never points the other way
+    assert not ex.check_ipo_margin(lambda p, beta: torch.logit(torch.as_tensor(p, dtype=torch.float64)) / beta
+                                   if not isinstance(p, float) or 0 < p < 1 else math.copysign(1e6, p - 0.5))  # DPO's
 
 
 def test_check_dequantize_q4_1_passes_the_reference_and_fails_classic_mistakes():

@@ -51,7 +51,7 @@ def test_four_model_lora_run_exports_too(tmp_path):
     assert json.loads((tmp_path / "run" / "policy" / "adapter_config.json").read_text())["base_model_name_or_path"] == "zoo"
 
 
-def test_merge_checks_then_writes(trained, tmp_path, capsys):
+def test_merge_checks_then_writes(trained, tmp_path, capsys, monkeypatch):
     out, _ = trained
     fp32 = merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "fp32"), "--dtype", "float32"])
     assert fp32["agreement"] == 1.0 and fp32["max_logprob_gap"] < 1e-4
@@ -59,10 +59,24 @@ def test_merge_checks_then_writes(trained, tmp_path, capsys):
     bf16 = merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "bf16")])
     assert bf16["agreement"] >= 0.95 and bf16["max_logprob_gap"] > fp32["max_logprob_gap"]
     assert "same most likely next token" in capsys.readouterr().out
-    # the check can fail: demand more than bf16 rounding allows, and nothing is written
+    # the check can fail: a merge that went wrong (here its output layer negated) is refused and nothing is written
+    from peft.tuners.lora import LoraModel
+
+    real_merge = LoraModel.merge_and_unload  # what PeftModel.merge_and_unload reaches
+
+    def wrong_merge(self, *args, **kwargs):
+        merged = real_merge(self, *args, **kwargs)
+        with torch.no_grad():
+            merged.get_output_embeddings().weight.mul_(-1)
+        return merged
+
+    monkeypatch.setattr(LoraModel, "merge_and_unload", wrong_merge)
     with pytest.raises(ConfigError, match="disagrees with the adapter"):
-        merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "strict"), "--min_agreement", "1.01"])
+        merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "strict"), "--dtype", "float32"])
     assert not (tmp_path / "strict").exists()
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="--min_agreement in"):  # a demand no merge can meet: refused up front
+        merge(["--adapter", str(out / "policy"), "--output_dir", str(tmp_path / "strict"), "--min_agreement", "1.01"])
     with pytest.raises(ConfigError, match="SEQ_CLS adapter is not a language model"):
         merge(["--adapter", str(REWARD_ADAPTER_DIR), "--output_dir", str(tmp_path / "rm")])
 

@@ -278,15 +278,17 @@ def out_of_sync() -> list[str]:
 # --- the course: nbgrader source and release ------------------------------------------------------------------
 
 SHOWN = re.compile(r"^show\((\w+)\)$")
-WITHHELD_NOTE = ("*The package's `{name}` is not shown in the student copy: it is the answer to this chapter's "
-                 "exercise, and the checker withholds it while your code runs. It is in the instructor copy.*")
+WITHHELD_NOTE = ("*The package's `{name}` is not shown in the student copy: it gives this chapter's exercise away, "
+                 "and the checker withholds it while your code runs. It is in the instructor copy.*")
 
 
 def withheld_names(nb) -> set[str]:
-    """Names of the package functions the chapter's exercise checkers withhold (the answers)."""
+    """Names of the package functions the chapter's graded exercise checkers withhold (the answers). A checker
+    called in an ungraded cell (a demonstration of silent bugs, say) hides nothing: what it checks is taught."""
     from marlhf_edu import exercises
 
-    used = {m for c in nb.cells if c.cell_type == "code" for m in re.findall(r"\b(check_\w+)\(", c.source)}
+    graded = [c for c in nb.cells if c.cell_type == "code" and c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+    used = {m for c in graded for m in re.findall(r"\b(check_\w+)\(", c.source)}
     return {path.rpartition(".")[2] for name in used if hasattr(exercises, name)
             for path in getattr(exercises, name).withholds}
 
