@@ -271,15 +271,17 @@ def _percentile_bootstrap(fn: str, n_prompts: int, statistic, confidence: float,
     return stats[int(math.floor(tail * (n_boot - 1)))], stats[int(math.ceil((1 - tail) * (n_boot - 1)))]
 
 
-def intraclass_correlation(groups: Sequence[Sequence[float]]) -> float:
+def intraclass_correlation(groups: Sequence[Sequence[float]], clip: bool = True) -> float:
     r"""ICC(1) of outcomes grouped by prompt, all groups of the same size m (one-way ANOVA estimator).
 
     .. math:: \rho = \frac{MS_B - MS_W}{MS_B + (m-1)\,MS_W}
 
     ρ = 0: a prompt's answers are as different as answers to different prompts,
     so repeats count as fresh samples. ρ = 1: a prompt always gets the same
-    verdict, so asking it again adds nothing. Clipped to [0, 1]; 0 when every
-    outcome is equal (nothing to explain).
+    verdict, so asking it again adds nothing. Clipped to [0, 1] (`clip=False`
+    returns the raw estimate, which can fall below 0 by chance: average raw
+    values, since a mean of clipped ones is biased up); 0 when every outcome is
+    equal (nothing to explain).
 
     Taught in chapter 11.
     """
@@ -296,7 +298,8 @@ def intraclass_correlation(groups: Sequence[Sequence[float]]) -> float:
     ms_within = sum((x - mu) ** 2 for g, mu in zip(rows, means) for x in g) / (k * (m - 1))
     if ms_between + (m - 1) * ms_within == 0:
         return 0.0
-    return min(1.0, max(0.0, (ms_between - ms_within) / (ms_between + (m - 1) * ms_within)))
+    raw = (ms_between - ms_within) / (ms_between + (m - 1) * ms_within)
+    return min(1.0, max(0.0, raw)) if clip else raw
 
 
 def prompts_needed(p1: float, p2: float, alpha: float = 0.05, power: float = 0.8,

@@ -180,9 +180,17 @@ def test_intraclass_correlation():
     msb = 2 * sum((x - grand) ** 2 for x in means) / 2
     msw = 0.5 / 3
     assert intraclass_correlation(groups) == pytest.approx((msb - msw) / (msb + msw))
+    # answers that disagree more within a prompt than across prompts: the raw estimate is negative, clipped to 0
+    split = [[1, 0], [0, 1], [1, 0], [0, 1]]  # MSB = 0, MSW = 0.5: raw (0 - 0.5) / (0 + 0.5) = -1
+    assert intraclass_correlation(split) == 0.0 and intraclass_correlation(split, clip=False) == pytest.approx(-1.0)
     rng = random.Random(4)
     iid = [[float(rng.random() < 0.3) for _ in range(4)] for _ in range(2000)]
     assert intraclass_correlation(iid) < 0.03
+    # over many independent samples the raw estimates average near 0 and the clipped ones above it
+    draws = [[[float(rng.random() < 0.3) for _ in range(4)] for _ in range(17)] for _ in range(300)]
+    raw = sum(intraclass_correlation(d, clip=False) for d in draws) / 300
+    clipped = sum(intraclass_correlation(d) for d in draws) / 300
+    assert abs(raw) < 0.03 < clipped
     with pytest.raises(ValueError, match="same number"):
         intraclass_correlation([[1, 0], [1]])
 
