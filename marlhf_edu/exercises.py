@@ -741,15 +741,15 @@ def check_group_relative_advantages(fn: Callable, seed: int = 0) -> CheckReport:
     ])
 
 
-@_withholds("marlhf_edu.dpo.ipo_preferred_margin", "marlhf_edu.dpo.ipo_loss")
+@_withholds("marlhf_edu.dpo.ipo_preferred_margin", "marlhf_edu.dpo.ipo_loss", "marlhf_edu.dpo.margin_trajectory")
 def check_ipo_margin(fn: Callable, seed: int = 0) -> CheckReport:
     """Check `fn(p, beta) -> margin`: where IPO's loss settles the log-ratio margin h(y, y') of a pair that the
     data state as (y, y') a share p of the time and reversed the rest.
 
     Chapter 12's exercise; compared with `marlhf_edu.dpo.ipo_preferred_margin`, and with what training finds:
     free logits (`margin_trajectory`) trained by IPO's loss on a batch that holds the pair in both orders in
-    the proportions p and 1 − p. `ipo_loss` is withheld too, so the answer cannot be simulated with the
-    package's loss. A non-zero `seed` draws other random cases.
+    the proportions p and 1 − p. `ipo_loss` and `margin_trajectory` are withheld too, so the answer cannot be
+    simulated with the package's loss or trainer. A non-zero `seed` draws other random cases.
     """
     from marlhf_edu.dpo import ipo_loss, ipo_preferred_margin, margin_trajectory
 

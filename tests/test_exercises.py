@@ -345,6 +345,18 @@ def test_check_ipo_margin_passes_the_reference_and_fails_classic_mistakes():
     assert ex.check_ipo_margin(derived) and ex.check_ipo_margin(derived, seed=7)
     assert ex.check_ipo_margin(private_copy(ipo_preferred_margin))
     assert not ex.check_ipo_margin(ipo_preferred_margin)  # withheld while the learner runs
+    from marlhf_edu.dpo import margin_trajectory
+
+    def searched(p, beta):  # no derivation: the package's trainer run on the weighted loss, which is withheld too
+        if isinstance(p, torch.Tensor):
+            return torch.tensor([searched(float(x), beta) for x in p], dtype=torch.float64)
+
+        def loss(pc, pr, rc, rr, b):
+            h = (pc - rc) - (pr - rr)
+            return (p * (h - 1 / (2 * b)) ** 2 + (1 - p) * (-h - 1 / (2 * b)) ** 2).mean()
+        return margin_trajectory(loss, beta, steps=400)[-1]
+
+    assert not ex.check_ipo_margin(searched)  # passes every case when margin_trajectory is not withheld
     assert not ex.check_ipo_margin(lambda p, beta: 1 / (2 * beta) + 0 * p)  # the certain pair's target for every p
     assert not ex.check_ipo_margin(lambda p, beta: (p - 0.5) / (2 * beta))  # half the margin
     assert not ex.check_ipo_margin(lambda p, beta: p / (2 * beta))  # a target that never points the other way
