@@ -85,8 +85,8 @@ def grpo_loss(
     `kl_importance_weighted` multiplies the k3 term by ρ (trl's `use_bias_correction_kl`,
     on by default in trl 1.16, off in earlier releases). It changes the gradient even where ρ = 1, because ρ's
     gradient there is ∇log π, not 0. Sampled from π_old = π, the expected gradient of
-    the weighted term ρ·k3 is ∇KL(π ‖ π_ref), the reverse KL that PPO's reward penalty
-    follows (chapter 03); that of plain k3 (DeepSeekMath's loss) is ∇KL(π_ref ‖ π), the
+    the weighted term ρ·k3 is ∇KL(π ‖ π_ref), the reverse KL (chapter 03), token by token
+    given each token's prefix; that of plain k3 (DeepSeekMath's loss) is ∇KL(π_ref ‖ π), the
     forward KL. Once π has moved from π_old the weight also keeps the estimate of the
     KL's value unbiased. Aggregation 'grpo' averages each
     sequence's tokens and then the sequences (a length bias: chapter 06); 'bnpo'
