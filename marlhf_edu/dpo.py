@@ -38,6 +38,43 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)).sum(-1)
 
 
+def tokenize_preference_pairs(pairs: list[dict], tokenizer) -> list[dict]:
+    """Token ids of text preference pairs, split as trl's `DPOTrainer` splits them for training.
+
+    Each row of `pairs` holds the strings "prompt", "chosen" and "rejected" (not chat messages). As trl 1.16
+    does for such rows: the tokenizer's EOS is appended to each answer that does not already end with it;
+    prompt, prompt + chosen and prompt + rejected are tokenised whole; and the answers start where those token
+    sequences first differ from the prompt's (tokens can merge across the boundary), so
+    `prompt_ids + chosen_ids` is exactly the tokenised prompt + chosen text. Returns one dict per pair with
+    `prompt_ids`, `chosen_ids`, `rejected_ids`, ready for trl's `DataCollatorForPreference`
+    (`trainer.data_collator`). A test pins it against trl's own preparation of a dataset.
+
+    Why not trl's: its preparation is a private method of the trainer; scoring held-out pairs as training
+    saw them needs the same ids (chapter 12).
+    """
+    eos = tokenizer.eos_token
+    if eos is None:
+        raise ValueError("tokenize_preference_pairs: the tokenizer has no EOS token to end the answers with")
+    out = []
+    for i, pair in enumerate(pairs):
+        missing = [k for k in ("prompt", "chosen", "rejected") if not isinstance(pair.get(k), str)]
+        if missing:
+            raise ValueError(f"tokenize_preference_pairs: pair {i} needs text under {missing}")
+        prompt = tokenizer(text=pair["prompt"])["input_ids"]
+        chosen, rejected = (tokenizer(text=pair["prompt"] + (a if a.endswith(eos) else a + eos))["input_ids"]
+                            for a in (pair["chosen"], pair["rejected"]))
+        n = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+        out.append({"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:]})
+    return out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,

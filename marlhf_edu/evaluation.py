@@ -162,7 +162,7 @@ def paired_t_interval(a: Sequence[float], b: Sequence[float],
     `difference_interval`, which treats the two sets as independent, cannot. t is ±inf when every
     difference is the same non-zero number, 0 when they are all 0.
 
-    Taught in chapter 12.
+    Taught in chapter 11; chapter 12 pairs its methods' runs with it.
     """
     fn = "paired_t_interval"
     _check_confidence(fn, confidence)

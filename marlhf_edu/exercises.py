@@ -40,6 +40,7 @@ class CheckReport:
     name: str
     cases: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    passing: str = "agree with the reference"  # what a passing case did, for the PASS line
 
     def __bool__(self) -> bool:
         return not self.failures
@@ -59,7 +60,7 @@ class CheckReport:
 
     def __repr__(self) -> str:
         if not self.failures:
-            return f"PASS {self.name}: all {len(self.cases)} cases agree with the reference"
+            return f"PASS {self.name}: all {len(self.cases)} cases {self.passing}"
         lines = [f"FAIL {self.name}: {len(self.failures)} of {len(self.cases)} cases disagree"]
         raised = {f.partition(": raised ")[2] for f in self.failures}
         if len(self.failures) > 1 and len(raised) == 1 and "" not in raised:  # one error everywhere: say it once
@@ -148,8 +149,9 @@ def _compare(label: str, got, expected: torch.Tensor, atol: float, rtol: float) 
     return None
 
 
-def _run(name: str, cases: list[tuple[str, Callable[[], str | None]]]) -> CheckReport:
-    report = CheckReport(name)
+def _run(name: str, cases: list[tuple[str, Callable[[], str | None]]],
+         passing: str = "agree with the reference") -> CheckReport:
+    report = CheckReport(name, passing=passing)
     for label, case in cases:
         report.cases.append(label)
         try:
@@ -430,42 +432,59 @@ def _loss_and_grad_case(fn, label, make_inputs, reference, wrt: int, atol_grad: 
     return label, run
 
 
-@_withholds("marlhf_edu.policy_gradient.reinforce_loss", "marlhf_edu.policy_gradient.leave_one_out_baseline",
-            "marlhf_edu.grpo.group_relative_advantages")  # its scale="none" times K/(K-1) is the leave-one-out advantage
-def check_rloo_loss(fn: Callable, seed: int = 9) -> CheckReport:
-    r"""Check `fn(logprobs, rewards, mask, group_size) -> loss`: REINFORCE with a leave-one-out baseline.
+@_withholds("marlhf_edu.policy_gradient.expected_estimate")
+def check_expected_estimate(fn: Callable, seed: int = 0) -> CheckReport:
+    r"""Check `fn(probs, arm_rewards, group_size, baseline) -> (A,)`: the exact mean of REINFORCE's estimate of
+    ∇_θ J on a softmax bandit with fixed arm rewards, K = `group_size` samples per estimate, each sample's
+    baseline given by `baseline` (None, or a function from the K rewards (K,) to K baselines).
 
-    .. math:: L = -\frac1B\sum_b \Big(R_b - \frac{1}{K-1}\sum_{j\in g(b), j\ne b} R_j\Big)\sum_t m_{bt}\log\pi_{bt}
-
-    `logprobs`, `mask` (B, T); `rewards` (B,) in consecutive groups of K = `group_size`.
-    Value and gradient with respect to `logprobs` are compared. Chapter 04's exercise.
+    Chapter 04's exercise; compared with `marlhf_edu.policy_gradient.expected_estimate` (float64, exact sum
+    over the A^K draws). The cases mix baselines that keep the estimate unbiased (none, a constant, the others'
+    mean or median, another sample's reward) with ones that do not (the group mean, the sample's own reward),
+    so computing ∇J directly, or ignoring the baseline, fails. A non-zero `seed` draws other random cases.
     """
-    from marlhf_edu.policy_gradient import leave_one_out_baseline, reinforce_loss
+    from marlhf_edu.policy_gradient import expected_estimate
 
-    fn = _learner(fn, check_rloo_loss)
-    gen = torch.Generator().manual_seed(seed)
+    fn = _learner(fn, check_expected_estimate)
+    gen = torch.Generator().manual_seed(seed + 4)
 
-    def reference(logprobs, rewards, mask, group_size):
-        return reinforce_loss(logprobs, rewards, mask, leave_one_out_baseline(rewards, group_size))
+    def others_mean(r):
+        return (r.sum() - r) / (len(r) - 1)
 
-    def case(label, B, T, K, pad=None, rewards=None):
-        logprobs = -torch.rand(B, T, generator=gen) * 3
-        mask = _padded_mask(gen, B, T).float()
-        if pad is not None:
-            logprobs = torch.where(mask.bool(), logprobs, torch.tensor(pad))
-        r = torch.randn(B, generator=gen) if rewards is None else rewards
-        return _loss_and_grad_case(fn, label, lambda: [logprobs.clone(), r.clone(), mask.clone(), K], reference, wrt=0)
+    def others_median(r):
+        return torch.stack([torch.cat([r[:i], r[i + 1:]]).median() for i in range(len(r))])
 
-    same_in_group = torch.randn(3, generator=gen).repeat_interleave(4)
-    return _run("check_rloo_loss", [
-        case("4 samples per prompt", 12, 6, 4),
-        case("2 samples per prompt", 8, 5, 2),
-        case("one prompt, 5 samples", 5, 7, 5),
-        case("rewards far from 0 (offset 100)", 8, 5, 4, rewards=100 + torch.randn(8, generator=gen)),
-        case("equal rewards within each group", 12, 5, 4, rewards=same_in_group),
-        case("padding holds -1e6", 8, 6, 4, pad=-1e6),
-        case("padding holds NaN", 8, 6, 2, pad=float("nan")),
-    ])
+    def group_mean(r):
+        return r.mean().expand(len(r)).clone()
+
+    def case(label, arms, K, baseline, shift=0.0):
+        probs = torch.softmax(torch.randn(arms, generator=gen, dtype=torch.float64), -1)
+        rewards = torch.rand(arms, generator=gen, dtype=torch.float64) + shift
+
+        def run():
+            expected = expected_estimate(probs, rewards, K, baseline)
+            got = fn(probs.clone(), rewards.clone(), K, baseline)
+            return _compare(label, torch.as_tensor(got), expected, 1e-6, 1e-5)
+        return label, run
+
+    cases = [
+        case("no baseline, 3 arms, 2 samples", 3, 2, None),
+        case("one sample per estimate (K = 1), no baseline", 4, 1, None),
+        case("a constant baseline (0.5), 3 arms, 3 samples", 3, 3, lambda r: torch.full_like(r, 0.5)),
+        case("leave-one-out baseline, 4 arms, 3 samples", 4, 3, others_mean),
+        case("the group mean (contains the sample's own reward), 3 arms, 4 samples", 3, 4, group_mean),
+        case("the group mean with rewards shifted by 10", 3, 2, group_mean, shift=10.0),
+        case("the sample's own reward as its baseline", 3, 3, lambda r: r.clone()),
+        case("the next sample's reward as baseline (another sample: unbiased)", 3, 3, lambda r: r.roll(-1)),
+        case("the others' median, 6 arms, 4 samples", 6, 4, others_median),
+    ]
+    if seed:
+        for i in range(3):
+            arms, K = int(torch.randint(2, 6, (1,), generator=gen)), int(torch.randint(2, 5, (1,), generator=gen))
+            rule = (others_mean, group_mean, others_median)[i]
+            cases.append(case(f"random: {arms} arms, {K} samples, {rule.__name__.replace('_', ' ')}", arms, K, rule,
+                              shift=float(torch.randn(1, generator=gen)) * 5))
+    return _run("check_expected_estimate", cases)
 
 
 @_withholds("marlhf_edu.ppo_objective.policy_loss", "marlhf_edu.ppo_objective.ppo_loss")
@@ -667,48 +686,73 @@ def check_nf4_bytes(fn: Callable, seed: int = 0) -> CheckReport:
     return _run("check_nf4_bytes", cases)
 
 
-@_withholds("marlhf_edu.evaluation.prompts_needed")
-def check_prompts_needed(fn: Callable, seed: int = 0) -> CheckReport:
-    """Check `fn(p1, p2, alpha, power, repeats, icc) -> int`: prompts per run to tell rates p1 and p2 apart.
+@_withholds("marlhf_edu.evaluation.cluster_bootstrap_interval", "marlhf_edu.evaluation.paired_bootstrap_difference",
+            "marlhf_edu.evaluation._percentile_bootstrap", "marlhf_edu.evaluation.mean_interval")
+def check_rate_interval(fn: Callable, seed: int = 0) -> CheckReport:
+    r"""Check `fn(groups) -> (low, high)`: a 95 % interval for a policy's rate from its answers grouped by
+    prompt (`groups[i]`: the 0/1 outcomes of prompt i's answers), valid when a prompt's answers are correlated.
 
-    Chapter 11's exercise; compared with `marlhf_edu.evaluation.prompts_needed`
-    (two-sided two-proportion z-test, design effect 1 + (m − 1)ρ for m repeats
-    with intraclass correlation ρ, rounded up). A non-zero `seed` adds three
-    random cases.
+    Chapter 11's exercise. Any method is accepted that keeps the promise: each case simulates 300 evaluations
+    of P prompts with m answers each, prompt i's own rate drawn from a beta distribution with mean p and
+    intraclass correlation ρ (ρ = 0: every prompt at p), and requires that the interval contain p in at least
+    88 % of them (a correct 95 % method covers about 93-97 % here; 300 evaluations give ±1.3 points of noise)
+    and that it be on average at most 1.5 times as wide as the t-interval over the prompts' own rates (an
+    interval cannot buy its coverage by being useless). Counting every answer as independent (`wilson_interval`
+    on all answers) covers about 62-83 % when ρ ≥ 0.4. The bootstrap and t-interval routes of the package are
+    withheld. A non-zero `seed` simulates other evaluations.
     """
-    from marlhf_edu.evaluation import prompts_needed
+    import math as _math
+    import random
 
-    fn = _learner(fn, check_prompts_needed)
+    from marlhf_edu.evaluation import mean_interval
 
-    def case(label, p1, p2, alpha=0.05, power=0.8, repeats=1, icc=0.0):
+    fn = _learner(fn, check_rate_interval)
+    rng = random.Random(seed + 11)  # pure Python: the same evaluations on any CPU
+
+    def evaluations(P, m, p, rho, n=300):
+        out = []
+        for _ in range(n):
+            # beta(p c, (1 − p) c) with c = 1/ρ − 1 has mean p and gives a prompt's answers an ICC of ρ
+            rates = [rng.betavariate(p * (1 / rho - 1), (1 - p) * (1 / rho - 1)) if rho > 0 else p for _ in range(P)]
+            out.append([[int(rng.random() < q) for _ in range(m)] for q in rates])
+        return out
+
+    def case(label, P, m, p, rho):
         def run():
-            expected = prompts_needed(p1, p2, alpha, power, repeats, icc)
-            got = fn(p1, p2, alpha, power, repeats, icc)
-            if not isinstance(got, int) or got != expected:
-                return f"{label}: got {got!r}, expected {expected} prompts"
+            data = evaluations(P, m, p, rho)
+            reference = sum(hi - lo for _, lo, hi in (mean_interval([sum(g) / m for g in d]) for d in data)) / len(data)
+            covered, width = 0, 0.0
+            for d in data:
+                got = fn([list(g) for g in d])
+                if not (isinstance(got, (tuple, list)) and len(got) == 2):
+                    return f"{label}: expected (low, high), got {got!r}"
+                lo, hi = (float(x) for x in got)
+                if _math.isnan(lo) or _math.isnan(hi) or lo > hi:
+                    return f"{label}: ({lo}, {hi}) is not an interval"
+                covered += lo <= p <= hi
+                width += (hi - lo) / len(data)
+            coverage = covered / len(data)
+            if coverage < 0.88:
+                return (f"{label}: the interval contained the true rate {p} in {coverage:.0%} of {len(data)} "
+                        "simulated evaluations, not about 95 %")
+            if width > 1.5 * reference:
+                return (f"{label}: covers {coverage:.0%}, but is on average {width:.3f} wide, more than 1.5 times "
+                        f"the t-interval over the prompts' rates ({reference:.3f})")
             return None
         return label, run
 
     cases = [
-        case("refusal 0.85 vs 0.90, one answer per prompt", 0.85, 0.90),
-        case("the same with p1 and p2 swapped", 0.90, 0.85),
-        case("power 0.9 instead of 0.8", 0.7, 0.8, power=0.9),
-        case("alpha 0.01 instead of 0.05", 0.7, 0.8, alpha=0.01),
-        case("4 independent answers per prompt (icc 0)", 0.6, 0.75, repeats=4),
-        case("4 identical answers per prompt (icc 1): repeats do not help", 0.6, 0.75, repeats=4, icc=1.0),
-        case("4 answers per prompt, icc 0.4", 0.6, 0.75, repeats=4, icc=0.4),
-        case("rare events: 0.02 vs 0.10", 0.02, 0.10),
+        case("independent answers (ρ = 0): 30 prompts × 4 answers at rate 0.5", 30, 4, 0.5, 0.0),
+        case("correlated answers (ρ = 0.6): 30 prompts × 4 at rate 0.5", 30, 4, 0.5, 0.6),
+        case("strongly correlated (ρ = 0.8): 40 prompts × 8 at rate 0.3", 40, 8, 0.3, 0.8),
+        case("a rare outcome (rate 0.1, ρ = 0.4): 60 prompts × 4", 60, 4, 0.1, 0.4),
+        case("two answers per prompt (ρ = 0.3): 30 prompts at rate 0.7", 30, 2, 0.7, 0.3),
     ]
     if seed:
-        gen = torch.Generator().manual_seed(seed)
-        for i in range(3):
-            p1, p2 = (round(float(x), 3) for x in 0.05 + 0.9 * torch.rand(2, generator=gen))
-            if p1 == p2:
-                p2 = round(p1 + 0.01, 3)
-            repeats = int(torch.randint(1, 9, (1,), generator=gen))
-            icc = round(float(torch.rand(1, generator=gen)), 2)
-            cases.append(case(f"random: {p1} vs {p2}, {repeats} repeats, icc {icc}", p1, p2, repeats=repeats, icc=icc))
-    return _run("check_prompts_needed", cases)
+        P, m = rng.randint(30, 60), rng.randint(2, 8)
+        p, rho = round(rng.uniform(0.25, 0.75), 2), round(rng.uniform(0.2, 0.8), 2)
+        cases.append(case(f"random: {P} prompts × {m} at rate {p}, ρ = {rho}", P, m, p, rho))
+    return _run("check_rate_interval", cases, passing="keep the 95 % promise at a useful width")
 
 
 @_withholds("marlhf_edu.grpo.group_relative_advantages", "marlhf_edu.policy_gradient.leave_one_out_baseline")

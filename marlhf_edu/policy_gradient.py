@@ -5,6 +5,8 @@ Taught in chapter 04 (`chapters/04_policy_gradient.md`).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from marlhf_edu._validate import as_bool_mask, check_no_nan, check_same_shape
@@ -118,3 +120,44 @@ def effective_sample_size(weights: torch.Tensor) -> torch.Tensor:
         raise ValueError("effective_sample_size: `weights` must be finite and ≥ 0")
     w = weights.double()
     return (w.sum() ** 2 / (w**2).sum()).to(weights.dtype)
+
+
+def expected_estimate(probs: torch.Tensor, arm_rewards: torch.Tensor, group_size: int,
+                      baseline: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    r"""The exact mean of REINFORCE's estimate of ∇_θ J on a bandit, for any baseline rule.
+
+    A softmax policy π = softmax(θ) over A arms; arm a pays the fixed reward μ(a). One estimate draws K arms
+    a_1 … a_K independently from π and averages
+
+    .. math:: g = \frac1K\sum_{i=1}^K (R_i - b_i)\,\nabla_\theta\log\pi(a_i), \qquad
+              \nabla_\theta\log\pi(a) = e_a - \pi, \qquad b = \mathrm{baseline}(R_1, \dots, R_K).
+
+    Its mean sums g over all A^K draws, each weighted by its probability ∏_i π(a_i). It equals
+    ∇J = π ⊙ (μ − π·μ) whenever b_i does not depend on sample i's own draw (none, a constant, the others'
+    mean); the group mean, which contains R_i, gives (K − 1)/K of it.
+
+    `probs`, `arm_rewards`: (A,). `baseline`: None, or a function from the K rewards of one estimate, a (K,)
+    tensor, to their K baselines (K,). Returns (A,), float64. Exact, so A^K is kept below 200,000 draws.
+
+    Taught in chapter 04 (its exercise).
+    """
+    fn = "expected_estimate"
+    probs, mu = torch.as_tensor(probs, dtype=torch.float64), torch.as_tensor(arm_rewards, dtype=torch.float64)
+    if probs.dim() != 1 or probs.shape != mu.shape:
+        raise ValueError(f"{fn}: `probs` and `arm_rewards` must both be (A,), got {tuple(probs.shape)} "
+                         f"and {tuple(mu.shape)}")
+    if bool((probs < 0).any()) or abs(float(probs.sum()) - 1) > 1e-6:
+        raise ValueError(f"{fn}: `probs` must be a probability vector (≥ 0, summing to 1)")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{fn}: `group_size` must be an int ≥ 1, got {group_size!r}")
+    arms = probs.shape[0]
+    if arms ** group_size > 200_000:
+        raise ValueError(f"{fn}: {arms}^{group_size} draws are too many to sum exactly; use fewer arms or samples")
+    draws = torch.cartesian_prod(*[torch.arange(arms)] * group_size).view(-1, group_size)  # (A^K, K)
+    weight = probs[draws].prod(-1)  # probability of each draw
+    rewards = mu[draws]  # (A^K, K)
+    if baseline is not None:
+        rewards = rewards - torch.stack([torch.as_tensor(baseline(r.clone()), dtype=torch.float64) for r in rewards])
+    score = torch.nn.functional.one_hot(draws, arms).double() - probs  # ∇_θ log π(a_i) = e_{a_i} − π: (A^K, K, A)
+    per_draw = (rewards[..., None] * score).mean(1)  # g of each draw: (A^K, A)
+    return (weight[:, None] * per_draw).sum(0)

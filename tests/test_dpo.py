@@ -76,3 +76,35 @@ def test_trl_dpo_with_lora_matches_the_package_and_uses_the_disabled_adapter_as_
     ours, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
     assert abs(ours.item() - math.log(2)) > 1e-3  # the policy really differs from the reference
     assert trl_loss == pytest.approx(ours.item(), abs=1e-5)
+
+
+def test_tokenize_preference_pairs_splits_as_trl_prepares_its_training_data():
+    """Chapter 12 scores held-out pairs with the ids trl trains on, without trl's private preparation: the
+    package's tokenisation must equal what DPOTrainer stores in its (public) `train_dataset`, EOS included."""
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from marlhf_edu.book import quietly
+    from marlhf_edu.dpo import tokenize_preference_pairs
+    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.toyworld import ToyWorld
+
+    tok = load_tokenizer()
+    pairs = ToyWorld().preference_dataset().select(range(12)).to_list()
+    pairs[0] = {**pairs[0], "chosen": pairs[0]["chosen"] + tok.eos_token}  # already ends with EOS: not doubled
+    from datasets import Dataset
+
+    with quietly():
+        trainer = DPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(SFT_DIR, dtype=torch.float32),
+            train_dataset=Dataset.from_list(pairs), processing_class=tok,
+            args=DPOConfig(output_dir=tempfile.mkdtemp(), report_to=[], bf16=False, use_cpu=True, disable_tqdm=True))
+    ours = tokenize_preference_pairs(pairs, tok)
+    assert len(trainer.train_dataset) == len(ours)
+    for row, mine in zip(trainer.train_dataset, ours):
+        for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+            assert row[key] == mine[key], key
+    assert ours[0]["chosen_ids"][-1] == tok.eos_token_id and ours[0]["chosen_ids"][-2] != tok.eos_token_id
+    assert all(r["rejected_ids"][-1] == tok.eos_token_id for r in ours)
+    with pytest.raises(ValueError, match="pair 1 needs text under"):
+        tokenize_preference_pairs([pairs[0], {"prompt": "x", "chosen": "y"}], tok)

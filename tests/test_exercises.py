@@ -250,51 +250,76 @@ def test_check_nf4_bytes_passes_the_reference_and_fails_classic_mistakes():
     assert not ex.check_nf4_bytes(lambda a, b, dq: (a * b + 1) // 2 + 64 + 4 * math.ceil(a * b / 64))
 
 
-def test_check_rloo_loss_passes_the_reference_and_fails_classic_mistakes():
-    from marlhf_edu.policy_gradient import leave_one_out_baseline, reinforce_loss
+def test_check_expected_estimate_passes_the_reference_and_fails_classic_mistakes():
+    import itertools
 
-    loss, loo = private_copy(reinforce_loss), private_copy(leave_one_out_baseline)
-    assert ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m, loo(r, k)))
-    assert ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m, loo(r, k)), seed=5)
-    # calling the package is refused while the learner's function runs
-    assert not ex.check_rloo_loss(lambda lp, r, m, k: reinforce_loss(lp, r, m, leave_one_out_baseline(r, k)))
+    from marlhf_edu.policy_gradient import expected_estimate
 
-    def group_mean(lp, r, m, k):  # the baseline contains the sample's own reward
-        return loss(lp, r, m, r.view(-1, k).mean(-1).repeat_interleave(k))
+    reference = private_copy(expected_estimate)
+    assert ex.check_expected_estimate(reference)
+    assert ex.check_expected_estimate(reference, seed=5)
+    assert len(ex.check_expected_estimate(reference, seed=5).cases) == len(ex.check_expected_estimate(reference).cases) + 3
+    assert not ex.check_expected_estimate(expected_estimate)  # the package is withheld while the learner's code runs
 
-    assert not ex.check_rloo_loss(group_mean)
-    assert not ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m))  # no baseline
-    # tokens averaged instead of summed: the log-prob of a sequence is a sum
-    assert not ex.check_rloo_loss(lambda lp, r, m, k: loss(lp, r, m, loo(r, k)) / m.sum(-1).mean())
-    # padding multiplied by the mask: NaN × 0 = NaN
-    assert not ex.check_rloo_loss(lambda lp, r, m, k: -((r - loo(r, k)) * (lp * m).sum(-1)).mean())
+    def enumerated(probs, mu, K, baseline, own_score=False, average=True, include_pi=True):
+        """The test's own derivation: a loop over every draw of K arms."""
+        probs, mu = probs.double(), mu.double()
+        total = torch.zeros_like(probs)
+        for draw in itertools.product(range(len(probs)), repeat=K):
+            r = mu[list(draw)]
+            b = torch.zeros(K, dtype=torch.float64) if baseline is None else baseline(r.clone())
+            g = sum((r[i] - b[i]) * (torch.eye(len(probs), dtype=torch.float64)[a] - (probs if include_pi else 0))
+                    for i, a in enumerate(draw))
+            total += probs[list(draw)].prod() * g / (K if average else 1)
+        return total
+
+    assert ex.check_expected_estimate(enumerated)  # the test's own derivation agrees
+    assert not ex.check_expected_estimate(lambda p, mu, K, b: enumerated(p, mu, K, b, average=False))  # a sum, not a mean
+    # ∇ log π(a) = e_a, forgetting the softmax's normaliser: wrong once the rewards do not cancel it
+    assert not ex.check_expected_estimate(lambda p, mu, K, b: enumerated(p, mu, K, b, include_pi=False))
+    # ∇J itself, the baseline ignored: right only for the unbiased baselines
+    report = ex.check_expected_estimate(lambda p, mu, K, b: p.double() * (mu.double() - p.double() @ mu.double()))
+    assert not report and "group mean" in report.brief() and "no baseline" not in report.brief()
+    # one sample per estimate whatever K: the group mean then removes the whole signal
+    assert not ex.check_expected_estimate(lambda p, mu, K, b: enumerated(p, mu, 1, b))
 
 
-def test_check_prompts_needed_passes_the_reference_and_fails_classic_mistakes():
+def test_check_rate_interval_accepts_any_valid_method_and_fails_ones_that_ignore_the_prompts():
     import math
-    from statistics import NormalDist
+    import random
 
-    from marlhf_edu.evaluation import prompts_needed
+    from marlhf_edu.evaluation import cluster_bootstrap_interval, intraclass_correlation, mean_interval, wilson_interval
 
-    reference = private_copy(prompts_needed)
-    assert ex.check_prompts_needed(reference)
-    assert ex.check_prompts_needed(reference, seed=4)
-    assert len(ex.check_prompts_needed(reference, seed=4).cases) == len(ex.check_prompts_needed(reference).cases) + 3
-    assert not ex.check_prompts_needed(prompts_needed)  # the package is withheld while the learner's code runs
+    t_interval = private_copy(mean_interval)
 
-    def needed(p1, p2, alpha, power, repeats, icc, two_sided=True, design=True, pooled=True):
-        z_a = NormalDist().inv_cdf(1 - alpha / 2 if two_sided else 1 - alpha)
-        z_b = NormalDist().inv_cdf(power)
-        p = (p1 + p2) / 2
-        null_sd = math.sqrt(2 * p * (1 - p)) if pooled else math.sqrt(p1 * (1 - p1) + p2 * (1 - p2))
-        n = (z_a * null_sd + z_b * math.sqrt(p1 * (1 - p1) + p2 * (1 - p2))) ** 2 / (p1 - p2) ** 2
-        return math.ceil(n * ((1 + (repeats - 1) * icc) if design else 1) / repeats)
+    def over_prompts(groups):  # the t-interval over the prompts' own rates
+        return t_interval([sum(g) / len(g) for g in groups])[1:]
 
-    assert ex.check_prompts_needed(needed)  # the test's own derivation agrees
-    assert not ex.check_prompts_needed(lambda *a: needed(*a, two_sided=False))  # one-sided alpha
-    assert not ex.check_prompts_needed(lambda *a: needed(*a, design=False))  # repeats counted as independent
-    assert not ex.check_prompts_needed(lambda *a: needed(*a, pooled=False))  # unpooled variance under the null
-    assert not ex.check_prompts_needed(lambda *a: round(needed(*a) - 0.5))  # rounded down: too few prompts
+    def design_effect(groups):  # Wilson on the answers, their number divided by 1 + (m − 1) ρ
+        m, k, n = len(groups[0]), sum(map(sum, groups)), sum(map(len, groups))
+        deff = 1 + (m - 1) * intraclass_correlation(groups)
+        return wilson_interval(round(k / deff), max(1, round(n / deff)))
+
+    def own_bootstrap(groups, n_boot=400):  # prompts resampled, written here: the package's is withheld
+        rng = random.Random(0)
+        stats = sorted(sum(sum(groups[rng.randrange(len(groups))]) for _ in range(len(groups)))
+                       / sum(map(len, groups)) for _ in range(n_boot))
+        return stats[int(0.025 * (n_boot - 1))], stats[math.ceil(0.975 * (n_boot - 1))]
+
+    for method in (over_prompts, design_effect, own_bootstrap):
+        report = ex.check_rate_interval(method)
+        assert report, (method.__name__, report)
+        assert "keep the 95 % promise" in repr(report)
+    assert ex.check_rate_interval(over_prompts, seed=4)
+    assert len(ex.check_rate_interval(over_prompts, seed=4).cases) == len(ex.check_rate_interval(over_prompts).cases) + 1
+
+    # every answer counted as independent: too narrow exactly where answers to a prompt agree
+    naive = ex.check_rate_interval(lambda g: wilson_interval(sum(map(sum, g)), sum(map(len, g))))
+    assert not naive and "independent answers" not in naive.brief() and "ρ = 0.8" in naive.brief()
+    assert not ex.check_rate_interval(lambda g: (0.0, 1.0))  # covers everything, says nothing
+    assert not ex.check_rate_interval(lambda g: cluster_bootstrap_interval(g)[1:])  # withheld while the learner runs
+    assert not ex.check_rate_interval(lambda g: mean_interval([sum(x) / len(x) for x in g])[1:])  # withheld too
+    assert "not an interval" in repr(ex.check_rate_interval(lambda g: over_prompts(g)[::-1]))
 
 
 def test_check_group_relative_advantages_passes_the_reference_and_fails_classic_mistakes():
@@ -318,19 +343,13 @@ def test_check_group_relative_advantages_passes_the_reference_and_fails_classic_
 
 
 def test_package_routes_to_the_group_and_leave_one_out_answers_are_withheld():
-    from marlhf_edu.grpo import group_relative_advantages
-    from marlhf_edu.policy_gradient import leave_one_out_baseline, reinforce_loss
+    from marlhf_edu.policy_gradient import leave_one_out_baseline
 
     def via_loo(r, G, loo=leave_one_out_baseline):  # (R - mean of the others) (G-1)/G = R - group mean
         centred = (r - loo(r, G)) * (G - 1) / G
         return centred / (r.view(-1, G).std(-1).repeat_interleave(G) + 1e-4)
 
-    def rloo_via_grpo(logprobs, rewards, mask, G):  # group_relative_advantages(scale="none") * G/(G-1) = R - b_loo
-        baseline = rewards - group_relative_advantages(rewards, G, scale="none") * G / (G - 1)
-        return reinforce_loss(logprobs, rewards, mask, baseline)
-
     assert not ex.check_group_relative_advantages(via_loo)
-    assert not ex.check_rloo_loss(rloo_via_grpo)
     # the same routes pass outside the checkers' window: the refusals above are the withholding, not a wrong formula
     own_loo = private_copy(leave_one_out_baseline)
     assert ex.check_group_relative_advantages(lambda r, G: via_loo(r, G, loo=own_loo))

@@ -118,3 +118,24 @@ def test_gold_reward_follows_the_judge():
     assert world.gold_reward(benign, benign.answer) == 1.0
     assert world.gold_reward(benign, "I can't help with that.") == 0.0
     assert world.gold_reward(benign, world.wrong(benign, random.Random(0))) == 0.0
+
+
+def test_expected_estimate_is_the_exact_gradient_for_unbiased_baselines_and_shrinks_for_the_group_mean():
+    from marlhf_edu.policy_gradient import expected_estimate, leave_one_out_baseline
+
+    theta = torch.tensor([0.5, 0.3, -0.4, 0.1], dtype=torch.float64, requires_grad=True)
+    pay = torch.tensor([0.2, 0.5, 0.9, 0.4], dtype=torch.float64) + 3.0
+    (exact,) = torch.autograd.grad((torch.softmax(theta, -1) * pay).sum(), theta)  # ∇J by autograd
+    probs = torch.softmax(theta.detach(), -1)
+    for K in (1, 2, 3):
+        assert torch.allclose(expected_estimate(probs, pay, K), exact, atol=1e-12)
+        assert torch.allclose(expected_estimate(probs, pay, K, lambda r: torch.full_like(r, 7.0)), exact, atol=1e-12)
+    assert torch.allclose(expected_estimate(probs, pay, 3, lambda r: leave_one_out_baseline(r, 3)), exact, atol=1e-12)
+    for K in (2, 3, 4):
+        assert torch.allclose(expected_estimate(probs, pay, K, lambda r: r.mean().expand(K)), exact * (K - 1) / K,
+                              atol=1e-12)
+    assert torch.allclose(expected_estimate(probs, pay, 2, lambda r: r), torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="too many"):
+        expected_estimate(torch.full((10,), 0.1), torch.zeros(10), 6)
+    with pytest.raises(ValueError, match="probability vector"):
+        expected_estimate(torch.tensor([0.5, 0.6]), torch.zeros(2), 2)
