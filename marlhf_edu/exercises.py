@@ -440,7 +440,7 @@ def check_expected_estimate(fn: Callable, seed: int = 0) -> CheckReport:
 
     Chapter 04's exercise; compared with `marlhf_edu.policy_gradient.expected_estimate` (float64, exact sum
     over the A^K draws). The cases mix baselines that keep the estimate unbiased (none, a constant, the others'
-    mean or median, another sample's reward) with ones that do not (the group mean, the sample's own reward),
+    mean or median, another sample's reward) with ones that do not (the batch mean, the sample's own reward),
     so computing ∇J directly, or ignoring the baseline, fails. A non-zero `seed` draws other random cases.
     """
     from marlhf_edu.policy_gradient import expected_estimate
@@ -454,7 +454,7 @@ def check_expected_estimate(fn: Callable, seed: int = 0) -> CheckReport:
     def others_median(r):
         return torch.stack([torch.cat([r[:i], r[i + 1:]]).median() for i in range(len(r))])
 
-    def group_mean(r):
+    def batch_mean(r):
         return r.mean().expand(len(r)).clone()
 
     def case(label, arms, K, baseline, shift=0.0):
@@ -472,8 +472,8 @@ def check_expected_estimate(fn: Callable, seed: int = 0) -> CheckReport:
         case("one sample per estimate (K = 1), no baseline", 4, 1, None),
         case("a constant baseline (0.5), 3 arms, 3 samples", 3, 3, lambda r: torch.full_like(r, 0.5)),
         case("leave-one-out baseline, 4 arms, 3 samples", 4, 3, others_mean),
-        case("the group mean (contains the sample's own reward), 3 arms, 4 samples", 3, 4, group_mean),
-        case("the group mean with rewards shifted by 10", 3, 2, group_mean, shift=10.0),
+        case("the batch mean (contains the sample's own reward), 3 arms, 4 samples", 3, 4, batch_mean),
+        case("the batch mean with rewards shifted by 10", 3, 2, batch_mean, shift=10.0),
         case("the sample's own reward as its baseline", 3, 3, lambda r: r.clone()),
         case("the next sample's reward as baseline (another sample: unbiased)", 3, 3, lambda r: r.roll(-1)),
         case("the others' median, 6 arms, 4 samples", 6, 4, others_median),
@@ -481,7 +481,7 @@ def check_expected_estimate(fn: Callable, seed: int = 0) -> CheckReport:
     if seed:
         for i in range(3):
             arms, K = int(torch.randint(2, 6, (1,), generator=gen)), int(torch.randint(2, 5, (1,), generator=gen))
-            rule = (others_mean, group_mean, others_median)[i]
+            rule = (others_mean, batch_mean, others_median)[i]
             cases.append(case(f"random: {arms} arms, {K} samples, {rule.__name__.replace('_', ' ')}", arms, K, rule,
                               shift=float(torch.randn(1, generator=gen)) * 5))
     return _run("check_expected_estimate", cases)
@@ -687,19 +687,22 @@ def check_nf4_bytes(fn: Callable, seed: int = 0) -> CheckReport:
 
 
 @_withholds("marlhf_edu.evaluation.cluster_bootstrap_interval", "marlhf_edu.evaluation.paired_bootstrap_difference",
-            "marlhf_edu.evaluation._percentile_bootstrap", "marlhf_edu.evaluation.mean_interval")
+            "marlhf_edu.evaluation._percentile_bootstrap", "marlhf_edu.evaluation.mean_interval",
+            "marlhf_edu.evaluation.difference_interval", "marlhf_edu.evaluation.paired_t_interval")
 def check_rate_interval(fn: Callable, seed: int = 0) -> CheckReport:
     r"""Check `fn(groups) -> (low, high)`: a 95 % interval for a policy's rate from its answers grouped by
     prompt (`groups[i]`: the 0/1 outcomes of prompt i's answers), valid when a prompt's answers are correlated.
 
-    Chapter 11's exercise. Any method is accepted that keeps the promise: each case simulates 300 evaluations
-    of P prompts with m answers each, prompt i's own rate drawn from a beta distribution with mean p and
-    intraclass correlation ρ (ρ = 0: every prompt at p), and requires that the interval contain p in at least
-    88 % of them (a correct 95 % method covers about 93-97 % here; 300 evaluations give ±1.3 points of noise)
-    and that it be on average at most 1.5 times as wide as the t-interval over the prompts' own rates (an
-    interval cannot buy its coverage by being useless). Counting every answer as independent (`wilson_interval`
-    on all answers) covers about 62-83 % when ρ ≥ 0.4. The bootstrap and t-interval routes of the package are
-    withheld. A non-zero `seed` simulates other evaluations.
+    Chapter 11's exercise. Any method is accepted that keeps the promise for the rate p of the population the
+    prompts are drawn from: each case simulates 300 evaluations of P fresh prompts with m answers each, prompt
+    i's own rate drawn from a beta distribution with mean p and intraclass correlation ρ (ρ = 0: every prompt at
+    p), and requires that the interval contain p in at least 88 % of them (correct 95 % methods, the t-interval
+    over the prompts' observed rates, a bootstrap over prompts or Wilson with the design effect, cover 92 % or
+    more in every case; 300 evaluations give ±1.3 points of noise) and that it be on average at most 1.5 times
+    as wide as the t-interval over the prompts' observed rates (an interval cannot buy its coverage by being
+    useless). Counting every answer as independent (`wilson_interval` on all answers) covers about 54-84 %
+    where the design effect 1 + (m − 1)ρ is 2 or more. Every interval routine of the package that reaches the
+    answer (bootstrap, t, difference) is withheld. A non-zero `seed` simulates other evaluations.
     """
     import math as _math
     import random

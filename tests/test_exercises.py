@@ -279,8 +279,8 @@ def test_check_expected_estimate_passes_the_reference_and_fails_classic_mistakes
     assert not ex.check_expected_estimate(lambda p, mu, K, b: enumerated(p, mu, K, b, include_pi=False))
     # ∇J itself, the baseline ignored: right only for the unbiased baselines
     report = ex.check_expected_estimate(lambda p, mu, K, b: p.double() * (mu.double() - p.double() @ mu.double()))
-    assert not report and "group mean" in report.brief() and "no baseline" not in report.brief()
-    # one sample per estimate whatever K: the group mean then removes the whole signal
+    assert not report and "batch mean" in report.brief() and "no baseline" not in report.brief()
+    # one sample per estimate whatever K: the batch mean then removes the whole signal
     assert not ex.check_expected_estimate(lambda p, mu, K, b: enumerated(p, mu, 1, b))
 
 
@@ -288,7 +288,8 @@ def test_check_rate_interval_accepts_any_valid_method_and_fails_ones_that_ignore
     import math
     import random
 
-    from marlhf_edu.evaluation import cluster_bootstrap_interval, intraclass_correlation, mean_interval, wilson_interval
+    from marlhf_edu.evaluation import (cluster_bootstrap_interval, difference_interval, intraclass_correlation,
+                                       mean_interval, wilson_interval)
 
     t_interval = private_copy(mean_interval)
 
@@ -319,6 +320,8 @@ def test_check_rate_interval_accepts_any_valid_method_and_fails_ones_that_ignore
     assert not ex.check_rate_interval(lambda g: (0.0, 1.0))  # covers everything, says nothing
     assert not ex.check_rate_interval(lambda g: cluster_bootstrap_interval(g)[1:])  # withheld while the learner runs
     assert not ex.check_rate_interval(lambda g: mean_interval([sum(x) / len(x) for x in g])[1:])  # withheld too
+    # Welch against a constant sample is the t-interval in disguise: withheld as well
+    assert not ex.check_rate_interval(lambda g: difference_interval([sum(x) / len(x) for x in g], [0.0, 0.0])[1:])
     assert "not an interval" in repr(ex.check_rate_interval(lambda g: over_prompts(g)[::-1]))
 
 
