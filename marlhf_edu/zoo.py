@@ -96,9 +96,14 @@ def _rebuild_tiny(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) 
     timings["tokenizer_s"] = time.perf_counter() - start
 
     t = time.perf_counter()
+    # both configs are read before any training, so a mistake in the second is not found after the first; the
+    # work folders are the rebuild's own scratch space, replaced on every rebuild
     args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig),
                             ["--config", str(configs / "tiny_sft.yaml"), "--output_dir", str(work / "sft"),
-                             "--tokenizer_name_or_path", str(tok_dir)])
+                             "--tokenizer_name_or_path", str(tok_dir), "--overwrite_output", "true"])
+    rm_args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig),
+                               ["--config", str(configs / "tiny_rm.yaml"), "--output_dir", str(work / "rm"),
+                                "--model_name_or_path", str(sft_dir), "--overwrite_output", "true"])
     run_sft(*args)
     shutil.rmtree(sft_dir, ignore_errors=True)
     sft_dir.mkdir(parents=True)
@@ -107,10 +112,7 @@ def _rebuild_tiny(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Path) 
     timings["sft_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig),
-                            ["--config", str(configs / "tiny_rm.yaml"), "--output_dir", str(work / "rm"),
-                             "--model_name_or_path", str(sft_dir)])
-    _, rm_metrics = run_rm(*args)
+    _, rm_metrics = run_rm(*rm_args)
     shutil.rmtree(rm_dir, ignore_errors=True)
     rm_dir.mkdir(parents=True)
     for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -168,17 +170,20 @@ def _rebuild_smollm2(configs: pathlib.Path, out: pathlib.Path, work: pathlib.Pat
 
     timings, start = {}, time.perf_counter()
     sft_dir, rm_dir = out / "smollm2_sft_adapter", out / "smollm2_reward_adapter"
+    # both configs are read before any training; the work folders are the rebuild's own, replaced every time
     args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig),
-                            ["--config", str(configs / "smollm2" / "sft.yaml"), "--output_dir", str(work / "smollm2_sft")])
+                            ["--config", str(configs / "smollm2" / "sft.yaml"), "--output_dir", str(work / "smollm2_sft"),
+                             "--overwrite_output", "true"])
+    rm_args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig),
+                               ["--config", str(configs / "smollm2" / "rm.yaml"), "--output_dir",
+                                str(work / "smollm2_rm"), "--model_name_or_path", str(sft_dir), "--eval_pairs", "0",
+                                "--overwrite_output", "true"])
     run_sft(*args)
     ship_adapter(work / "smollm2_sft", sft_dir, "smollm2", dtype=torch.float16)
     timings["sft_s"] = time.perf_counter() - start
 
     t = time.perf_counter()
-    args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig),
-                            ["--config", str(configs / "smollm2" / "rm.yaml"), "--output_dir", str(work / "smollm2_rm"),
-                             "--model_name_or_path", str(sft_dir), "--eval_pairs", "0"])
-    _, rm_metrics = run_rm(*args)
+    _, rm_metrics = run_rm(*rm_args)
     ship_adapter(work / "smollm2_rm", rm_dir, sft_ref)  # fp32: the held-out numbers below are these exact weights
     timings["rm_s"] = time.perf_counter() - t
 

@@ -128,3 +128,72 @@ def test_an_unknown_data_format_is_a_data_error_naming_the_key(tmp_path):
     pairs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
     with pytest.raises(DataFileError, match="unknown preference format 'bogus' \\(dataset_format\\)"):
         load_preferences(str(pairs), "bogus")
+
+
+TRL_STAGES = {"sft": ("marlhf_edu.stages.sft", "configs/tiny_sft.yaml"), "rm": ("marlhf_edu.stages.reward", "configs/tiny_rm.yaml"),
+              "dpo": ("marlhf_edu.stages.dpo", "configs/tiny_dpo.yaml"), "grpo": ("marlhf_edu.stages.grpo", "configs/tiny_grpo.yaml")}
+
+
+@pytest.mark.parametrize("stage", sorted(TRL_STAGES))
+def test_trl_stages_refuse_a_finished_run_and_a_bad_resume_before_loading(tmp_path, no_loading, stage):
+    """trl's trainers overwrite a finished run's folder without a word (transformers 5 has no
+    overwrite_output_dir): the stages refuse it as PPO does, before anything loads, unless asked to replace it."""
+    import importlib
+
+    module, config = TRL_STAGES[stage]
+    main = importlib.import_module(module).main
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"a finished run's weights")
+    with pytest.raises(ConfigError, match=f"{stage}: output_dir .*run already holds a finished run "
+                                          r"\(adapter_model.safetensors\)"):
+        main(["--config", config, "--output_dir", str(out)])
+    assert (out / "adapter_model.safetensors").read_bytes() == b"a finished run's weights"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_model.safetensors"]  # nothing written
+    # asked to replace it, the check lets the run go on (and the pipeline asks, for a stage it restarts)
+    from types import SimpleNamespace
+
+    from marlhf_edu.stages.common import check_output_dir
+
+    check_output_dir(stage, SimpleNamespace(overwrite_output=True),
+                     SimpleNamespace(output_dir=str(out), resume_from_checkpoint=None))
+    with pytest.raises(ConfigError, match="holds no complete checkpoint-N"):
+        main(["--config", config, "--output_dir", str(tmp_path / "empty"), "--resume_from_checkpoint", "true"])
+    half = tmp_path / "run2" / "checkpoint-5"
+    half.mkdir(parents=True)
+    (half / "model.safetensors").write_bytes(b"x")  # killed before trainer_state.json
+    with pytest.raises(ConfigError, match="cannot be resumed from: no complete trainer_state.json"):
+        main(["--config", config, "--output_dir", str(tmp_path / "run2"), "--resume_from_checkpoint", str(half)])
+
+
+@pytest.fixture
+def locked(tmp_path, monkeypatch):
+    """A folder this user may not write: read-only, and refused by `os.access` even to root (CI runs as root,
+    whom permissions do not stop)."""
+    import os
+
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o500)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if pathlib.Path(path) == folder and mode & os.W_OK
+                        else real(path, mode, **kw))
+    yield folder
+    folder.chmod(0o700)
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_loading(locked, no_loading):
+    from marlhf_edu.stages.sft import main
+
+    with pytest.raises(ConfigError, match="cannot be written .*locked is not writable"):
+        main(["--config", "configs/tiny_sft.yaml", "--output_dir", str(locked / "sft")])
+
+
+def test_the_pipeline_refuses_an_unwritable_later_stage_before_running_the_first(tmp_path, locked, no_loading):
+    from marlhf_edu.stages.pipeline import Stage, run_pipeline
+
+    stages = [Stage("sft", "configs/tiny_sft.yaml", ["--output_dir", str(tmp_path / "sft")]),
+              Stage("rm", "configs/tiny_rm.yaml", ["--output_dir", str(locked / "rm")])]
+    with pytest.raises(ConfigError, match="rm's output_dir .* cannot be written"):
+        run_pipeline(stages, log=lambda line: None, progress=False)
+    assert not (tmp_path / "sft").exists()

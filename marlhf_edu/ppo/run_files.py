@@ -85,7 +85,7 @@ def check_run_folder(config):
     if not config.resume:
         if (out / "metrics.jsonl").exists() or root.exists():
             raise ConfigError(f"{out} already holds a run; pass --resume true to continue it or choose another "
-                              "output_dir (nothing was loaded or written)")
+                              "output_dir (nothing was loaded, and nothing in it was changed)")
         return None
     ckpt, state, skipped = usable_checkpoint(root)
     for line in skipped:

@@ -20,6 +20,9 @@ class DataArguments:
                                                          "many tokens, and say how many were dropped (0 = keep all)"})
     max_rows: int = field(default=0, metadata={"help": "use the first N rows (after max_tokens); 0 = all"})
     toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
+    overwrite_output: bool = field(default=False, metadata={"help": "replace a finished run already in output_dir "
+                                                                    "(without it the stage refuses, before loading "
+                                                                    "anything)"})
 
 
 class ConfigError(ValueError):
@@ -202,6 +205,63 @@ def record_base(output_dir, model_ref: str) -> None:
         hub = source is not None and source.kind == "hub" and not source.revision
         config["base_model_name_or_path"] = source.location if hub else str(model_ref)
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+#: What a finished trl stage leaves at the top of its `output_dir`: the saved model or adapter, its metrics.
+FINISHED_RUN_FILES = ("adapter_model.safetensors", "adapter_config.json", "model.safetensors",
+                      "model.safetensors.index.json", "pytorch_model.bin", "eval_metrics.json")
+
+
+def trl_checkpoint_problem(folder) -> str | None:
+    """None when a trl `checkpoint-N` folder is complete, else what is missing. The Trainer writes the weights,
+    then the optimizer, scheduler and RNG state, and `trainer_state.json` last: a stage killed while saving leaves
+    a folder without it (or with it cut short), which a resume would load half of."""
+    import json
+    import pathlib
+
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        return "no such folder"
+    try:
+        json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return "no complete trainer_state.json (killed while saving)"
+    if not any((folder / name).exists() for name in ("adapter_model.safetensors", "model.safetensors",
+                                                     "model.safetensors.index.json")):
+        return "no model weights"
+    return None
+
+
+def check_output_dir(stage: str, script_args, training_args) -> None:
+    """What a trl stage (sft, rm, dpo, grpo) checks of its `output_dir` before any data or model loads, as the
+    PPO stage does: it can be written; it does not already hold a finished run (`FINISHED_RUN_FILES`) unless
+    `overwrite_output` (trl would overwrite it silently); and a `resume_from_checkpoint` names a complete
+    checkpoint (`true`: `output_dir` holds one). Each problem is a `ConfigError` naming the folder."""
+    import pathlib
+
+    out = pathlib.Path(training_args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{stage}: output_dir {out} is a file, not a folder")
+    resume = training_args.resume_from_checkpoint
+    if resume not in (None, False, "", "false", "False"):
+        if resume is True or str(resume).lower() == "true":
+            if not any(trl_checkpoint_problem(c) is None for c in out.glob("checkpoint-*")):
+                raise ConfigError(f"{stage}: resume_from_checkpoint is true, but {out} holds no complete "
+                                  "checkpoint-N folder to resume from")
+        elif problem := trl_checkpoint_problem(resume):
+            raise ConfigError(f"{stage}: resume_from_checkpoint {resume} cannot be resumed from: {problem}")
+    elif not script_args.overwrite_output:
+        found = [name for name in FINISHED_RUN_FILES if (out / name).exists()]
+        if found:
+            raise ConfigError(f"{stage}: output_dir {out} already holds a finished run ({found[0]}); choose another "
+                              "output_dir, pass --overwrite_output true to replace it, or --resume_from_checkpoint "
+                              "to continue a stopped one (nothing was loaded or written)")
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{stage}: output_dir {out} cannot be written ({existing} is not writable by this user); "
+                          "choose another output_dir")
 
 
 def resolve_zoo(path: str, shipped) -> str:

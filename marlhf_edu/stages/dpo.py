@@ -84,9 +84,10 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     from trl import DPOTrainer
 
     from marlhf_edu.models import SFT_DIR, load_tokenizer
-    from marlhf_edu.stages.common import resolve_zoo, select_rows
+    from marlhf_edu.stages.common import check_output_dir, resolve_zoo, select_rows
     from marlhf_edu.stages.reward import check_lengths, load_preference_data
 
+    check_output_dir("dpo", script_args, training_args)  # before anything loads
     peft_config = lora_policy_config(model_args, "DPO")
     if script_args.dataset_name == "toy" and script_args.eval_repeats:  # the evaluation after training needs it
         from marlhf_edu.models import REWARD_ADAPTER_DIR
@@ -100,7 +101,7 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     model, _ = load_policy(model_args)
     trainer = DPOTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=peft_config)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     return trainer, evaluate_after(trainer, tokenizer, script_args, training_args)
 

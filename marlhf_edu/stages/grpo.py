@@ -85,10 +85,11 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.sources import require_adapter_folder
-    from marlhf_edu.stages.common import ConfigError, resolve_zoo
+    from marlhf_edu.stages.common import ConfigError, check_output_dir, resolve_zoo
     from marlhf_edu.stages.dpo import evaluate_after, load_policy, lora_policy_config
     from marlhf_edu.stages.ppo import load_prompts
 
+    check_output_dir("grpo", script_args, training_args)  # before anything loads
     if script_args.reward not in REWARDS:
         raise ConfigError(f"reward must be one of {REWARDS}, got {script_args.reward!r}")
     toy = script_args.dataset_name == "toy"
@@ -129,7 +130,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     prompts = Dataset.from_list([{"prompt": p} for p in texts])
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=training_args, train_dataset=prompts,
                           processing_class=tokenizer, peft_config=peft_config)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     return trainer, evaluate_after(trainer, tokenizer, script_args, training_args)
 

@@ -179,20 +179,6 @@ def wire(stages: list[Stage]) -> dict[str, str]:
     return wiring
 
 
-def trl_checkpoint_problem(folder: pathlib.Path) -> str | None:
-    """None when a trl `checkpoint-N` folder is complete, else what is missing. The Trainer writes the weights,
-    then the optimizer, scheduler and RNG state, and `trainer_state.json` last: a stage killed while saving leaves
-    a folder without it (or with it cut short), which a resume would load half of."""
-    try:
-        json.loads((folder / "trainer_state.json").read_text())
-    except (OSError, ValueError):
-        return "no complete trainer_state.json (killed while saving)"
-    if not any((folder / name).exists() for name in ("adapter_model.safetensors", "model.safetensors",
-                                                     "model.safetensors.index.json")):
-        return "no model weights"
-    return None
-
-
 def resume_argv(stage: Stage, out: pathlib.Path, log=print) -> list[str]:
     """The options that continue a stopped stage from its last complete checkpoint in `out` (none if it has
     none); an incomplete newer one is named and passed over."""
@@ -200,6 +186,8 @@ def resume_argv(stage: Stage, out: pathlib.Path, log=print) -> list[str]:
         return ["--resume", "true"] if (out / "checkpoints" / "latest").exists() else []
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
                          if p.name.split("-")[-1].isdigit() else -1)
+    from marlhf_edu.stages.common import trl_checkpoint_problem
+
     for folder in reversed(checkpoints):
         problem = trl_checkpoint_problem(folder)
         if problem is None:
@@ -223,6 +211,16 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
     for target, value in wiring.items():
         log(f"pipeline: {target} = {value}")
     parsed = {s.name: s.parse() for s in stages}  # every config checked before any work
+    for stage in stages:  # and every output folder this run will write, so the last stage's is not found last
+        out = stage.output_dir(parsed[stage.name])
+        if (only and stage.name not in only) or (out / MARKER).exists():
+            continue
+        writable = out
+        while not writable.exists() and writable != writable.parent:
+            writable = writable.parent
+        if not writable.is_dir() or not os.access(writable, os.W_OK | os.X_OK):
+            raise ConfigError(f"pipeline: {stage.name}'s output_dir {out} cannot be written ({writable} is not a "
+                              "writable folder); nothing was run")
     main_rank = int(os.environ.get("RANK", "0")) == 0
     wired = {}  # stage name → the models of earlier stages it loads (an SFT adapter is merged into its base first)
     for target, value in wiring.items():
@@ -246,7 +244,10 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         log(f"pipeline: {stage.name} " + (f"resumes from {resume[-1] if stage.kind != 'ppo' else out / 'checkpoints'}"
                                                if resume else "starts") + f" -> {out}")
         start = time.perf_counter()
-        argv = ["--config", stage.config, *stage.argv, *resume]
+        # a trl stage the pipeline starts again (no marker, no checkpoint) may hold the files of a run killed after
+        # saving; it is the pipeline's own folder, so it is replaced rather than refused
+        fresh = ["--overwrite_output", "true"] if stage.kind != "ppo" and not resume else []
+        argv = ["--config", stage.config, *stage.argv, *resume, *fresh]
         module = importlib.import_module(stage.module)
         module.main(argv, progress=progress) if stage.kind == "ppo" else module.main(argv)
         release_memory()

@@ -159,9 +159,10 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
 
     from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype
     from marlhf_edu.sources import align_pad, resolve_model
-    from marlhf_edu.stages.common import (ConfigError, quantization_and_device_map, record_base, select_rows,
-                                         torch_dtype)
+    from marlhf_edu.stages.common import (ConfigError, check_output_dir, quantization_and_device_map, record_base,
+                                         select_rows, torch_dtype)
 
+    check_output_dir("rm", script_args, training_args)  # before anything loads
     peft_config = get_peft_config(model_args)
     if script_args.score_head_init not in ("random", "probe"):
         raise ConfigError(f"score_head_init must be 'random' or 'probe', got {script_args.score_head_init!r}")

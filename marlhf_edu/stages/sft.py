@@ -47,9 +47,11 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
 
     from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype
     from marlhf_edu.sources import align_pad, resolve_model
-    from marlhf_edu.stages.common import quantization_and_device_map, record_base, select_rows, torch_dtype
+    from marlhf_edu.stages.common import (check_output_dir, quantization_and_device_map, record_base, select_rows,
+                                         torch_dtype)
     from marlhf_edu.stages.reward import check_lengths
 
+    check_output_dir("sft", script_args, training_args)  # before anything loads
     name = model_args.model_name_or_path
     # pad ≠ EOS, or the model never learns to stop: load_tokenizer picks a distinct pad when the model has none
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or (TOKENIZER_DIR if name == "tiny-llama" else name))
