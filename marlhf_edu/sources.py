@@ -342,6 +342,10 @@ def load_tokenizer(ref):
     # a directory with its own tokenizer (the toy tokenizer, an SFT adapter saved by trl) is read as is: no need
     # to convert or merge a model for it
     own = (path / "tokenizer_config.json").exists()
+    if not own and (path / "adapter_config.json").exists():
+        # an adapter without one uses its base's: a LoRA changes no token, and merging a 7B base (tens of seconds,
+        # 13.5 GB) only to read a tokenizer is what a stage must not do before it has checked its data
+        return load_tokenizer(adapter_base(path))
     tokenizer = AutoTokenizer.from_pretrained(str(path) if own else resolve_model(ref))
     pad = choose_pad_token(tokenizer)
     if pad is None:

@@ -197,3 +197,10 @@ def test_the_pipeline_refuses_an_unwritable_later_stage_before_running_the_first
     with pytest.raises(ConfigError, match="rm's output_dir .* cannot be written"):
         run_pipeline(stages, log=lambda line: None, progress=False)
     assert not (tmp_path / "sft").exists()
+
+
+@pytest.mark.parametrize("multi_adapter", [False, True])
+def test_ppo_refuses_prompts_over_max_prompt_length_before_loading(tmp_path, no_loading, multi_adapter):
+    with pytest.raises(ConfigError, match=r"prompt\(s\) exceed max_prompt_length=4 tokens"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--max_prompt_length", "4"], multi_adapter=multi_adapter)
+    assert not (tmp_path / "run").exists()

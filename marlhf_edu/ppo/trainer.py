@@ -151,6 +151,18 @@ def eos_split_scores(scores: torch.Tensor, has_eos: torch.Tensor) -> dict[str, f
     return out
 
 
+def check_prompt_lengths(prompts: list[str], tokenizer, max_prompt_length: int) -> None:
+    """`ConfigError` when there are no prompts or some exceed `max_prompt_length` tokens (naming the first rows):
+    checked by the stage with the tokenizer alone before any model loads, and again by the trainer."""
+    if not prompts:
+        raise ConfigError("no prompts to train on")
+    lengths = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+    too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
+    if too_long:
+        raise ConfigError(f"{len(too_long)} prompt(s) exceed max_prompt_length={max_prompt_length} tokens "
+                          f"(first rows: {too_long[:5]}, longest {max(lengths)}); raise it or filter them")
+
+
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(1)
 
@@ -173,13 +185,7 @@ class PPOTrainer:
         `eval_every` updates; each result goes to `eval_curve.jsonl` and into that step's record as `eval/*`."""
         self.backend, self.config, self.tokenizer = backend, config.validate(), backend.tokenizer
         self.gold_reward_fn, self.reward_fn, self.eval_fn = gold_reward_fn, reward_fn, eval_fn
-        if not prompts:
-            raise ConfigError("no prompts to train on")
-        lengths = [len(ids) for ids in self.tokenizer(prompts)["input_ids"]]
-        too_long = [i for i, n in enumerate(lengths) if n > config.max_prompt_length]
-        if too_long:
-            raise ConfigError(f"{len(too_long)} prompt(s) exceed max_prompt_length={config.max_prompt_length} tokens "
-                              f"(first rows: {too_long[:5]}, longest {max(lengths)}); raise it or filter them")
+        check_prompt_lengths(prompts, self.tokenizer, config.max_prompt_length)
         self.prompts = list(prompts)
         self.dp = DataParallel.from_environment(backend.device)
         config.validate_data_parallel(self.dp.world_size)

@@ -173,17 +173,15 @@ def export_policy(backend, config, out_dir) -> None:
     record_base(out_dir, config.sft_model_path)
 
 
-def check_before_loading(config, backend_factory=None) -> None:
+def check_before_loading(config, backend_factory=None) -> list[str]:
     """The user's mistakes a model load would otherwise find first, refused as `ConfigError` before anything
     loads: an unknown tracker, an engine option the chosen engine cannot honour, a reward adapter folder that
-    does not exist, and a prompt file that cannot be read (read once here without the tokenizer; prompt lengths
-    are checked after it loads)."""
-    import contextlib
-    import dataclasses
-    import io
-
+    does not exist, a prompt file that cannot be read, and prompts longer than `max_prompt_length`. The prompts
+    are read once, here, with the policy's tokenizer alone (an SFT adapter's is its base's: nothing is merged),
+    and returned for the run."""
     from marlhf_edu.data.formats import DataFileError
-    from marlhf_edu.models import REWARD_ADAPTER_DIR
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
+    from marlhf_edu.ppo.trainer import check_prompt_lengths
     from marlhf_edu.sources import require_adapter_folder
     from marlhf_edu.stages.common import ConfigError
 
@@ -204,13 +202,13 @@ def check_before_loading(config, backend_factory=None) -> None:
         require_adapter_folder(config.reward_adapter_path, "reward_adapter_path")
     else:
         require_adapter_folder(REWARD_ADAPTER_DIR, "reward_adapter_path")
-    if config.dataset_name != "toy":
-        quiet = dataclasses.replace(config, drop_long_prompts=False, helpful_prompt_share=0.0)
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                load_prompts(quiet, None)
-        except DataFileError as err:
-            raise ConfigError(str(err)) from None
+    tokenizer = load_tokenizer(SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path)
+    try:
+        prompts = load_prompts(config, tokenizer)
+    except DataFileError as err:
+        raise ConfigError(str(err)) from None
+    check_prompt_lengths(prompts, tokenizer, config.max_prompt_length)
+    return prompts
 
 
 def run(config, backend_factory=None, progress: bool = True) -> dict:
@@ -224,13 +222,13 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     from marlhf_edu.ppo.run_files import RunLock, check_run_folder
 
     config.validate()
-    check_before_loading(config, backend_factory)
+    prompts = check_before_loading(config, backend_factory)
     with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
         checked = check_run_folder(config)
-        return _run(config, backend_factory, progress, checked)
+        return _run(config, backend_factory, progress, checked, prompts)
 
 
-def _run(config, backend_factory, progress: bool, checked) -> dict:
+def _run(config, backend_factory, progress: bool, checked, prompts: list[str]) -> dict:
     import torch
 
     from marlhf_edu.ppo import FourModelBackend, PPOTrainer
@@ -254,7 +252,7 @@ def _run(config, backend_factory, progress: bool, checked) -> dict:
 
         reward_fn = keyword_reward(template_for(backend.tokenizer))
     periodic = evaluation_judge(config, backend.tokenizer, toy, when="periodic")
-    trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer),
+    trainer = PPOTrainer(backend, config, prompts,
                          gold_reward_fn=toy.gold_rewards if toy else None, reward_fn=reward_fn,
                          eval_fn=None if periodic is None else periodic_evaluation(periodic, config))
     trainer.run_folder_checked = checked if config.resume else True  # checked once, before loading (not twice)
