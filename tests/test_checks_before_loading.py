@@ -204,3 +204,19 @@ def test_ppo_refuses_prompts_over_max_prompt_length_before_loading(tmp_path, no_
     with pytest.raises(ConfigError, match=r"prompt\(s\) exceed max_prompt_length=4 tokens"):
         ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--max_prompt_length", "4"], multi_adapter=multi_adapter)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("stages:\n  sft: [configs/tiny_sft.yaml\n", r"line \d+: not valid YAML"),
+    ("- sft\n- rm\n", "a pipeline file is a mapping .* not a list"),
+    ("stages:\n  sft: configs/tiny_sft.yaml\noverrides: [max_steps]\n", "'overrides' maps each stage"),
+    ("stages:\n  sft: configs/tiny_sft.yaml\noverrides:\n  sft: 10\n", "'overrides' maps each stage"),
+    ("stages:\n  sft: {max_steps: 1}\n", r"stage\(s\) \['sft'\] need a config file path"),
+])
+def test_a_malformed_pipeline_file_is_a_config_error_naming_it(tmp_path, text, message):
+    from marlhf_edu.stages.pipeline import load_pipeline
+
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path}.*{message}"):
+        load_pipeline(str(path), [])

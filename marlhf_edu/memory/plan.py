@@ -109,13 +109,20 @@ class ModelShape:
         if name_or_path in PRESETS:
             return PRESETS[name_or_path]
         path = pathlib.Path(name_or_path)
-        if not name_or_path.endswith(".json"):  # a model directory, GGUF file, adapter (merged), hub id, ...
+        if not name_or_path.endswith(".json"):  # a model directory, GGUF file, adapter, hub id, ...
+            from marlhf_edu.memory.preflight import readable_checkpoint
             from marlhf_edu.sources import resolve_model
 
-            try:
-                path = pathlib.Path(resolve_model(name_or_path))
-            except (OSError, ValueError):  # not a model reference either: the error below names the choices
-                pass
+            # a folder, an adapter's recorded base or a cached hub model is read as it is: merging an adapter into
+            # a 7B base (tens of seconds, 13.5 GB) only to read its shape is not what a planner should do
+            readable = readable_checkpoint(name_or_path)
+            if readable is not None and (readable / "config.json").exists():
+                path = readable
+            else:
+                try:
+                    path = pathlib.Path(resolve_model(name_or_path))
+                except (OSError, ValueError):  # not a model reference either: the error below names the choices
+                    pass
         path = path / "config.json" if path.is_dir() else path
         if path.name == "config.json" and path.exists():
             label = "tiny" if path.parent == SFT_DIR else path.parent.name

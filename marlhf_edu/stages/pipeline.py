@@ -134,7 +134,15 @@ def load_pipeline(path: str, cli: list[str]) -> tuple[list[Stage], list[str]]:
 
     if not os.path.exists(path):
         raise ConfigError(f"pipeline file not found: {path}")
-    spec = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    try:
+        spec = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        raise ConfigError(f"{path}{f', line {where.line + 1}' if where else ''}: not valid YAML "
+                          f"({getattr(err, 'problem', None) or err})") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{path}: a pipeline file is a mapping with 'stages' (and optionally 'overrides'), "
+                          f"not a {type(spec).__name__}")
     unknown = set(spec) - {"stages", "overrides"}
     if unknown or not isinstance(spec.get("stages"), dict) or not spec["stages"]:
         raise ConfigError(f"{path}: a pipeline file has a 'stages' mapping (stage: config file) and optionally "
@@ -149,6 +157,12 @@ def load_pipeline(path: str, cli: list[str]) -> tuple[list[Stage], list[str]]:
     if names != order:
         raise ConfigError(f"{path}: stages run in the order sft, rm, ppo/ma-ppo; got {names}")
     file_overrides = spec.get("overrides") or {}
+    if not isinstance(file_overrides, dict) or any(not isinstance(v, (dict, type(None))) for v in file_overrides.values()):
+        raise ConfigError(f"{path}: 'overrides' maps each stage to its keys and values (sft: {{max_steps: 10}}); "
+                          f"got {file_overrides!r}")
+    bad_config = [n for n in names if not isinstance(spec["stages"][n], str)]
+    if bad_config:
+        raise ConfigError(f"{path}: stage(s) {bad_config} need a config file path, as in 'sft: configs/tiny_sft.yaml'")
     extra = set(file_overrides) - set(names)
     if extra:
         raise ConfigError(f"{path}: overrides for stage(s) {sorted(extra)} that the pipeline does not run")
