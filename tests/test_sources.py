@@ -348,9 +348,13 @@ def test_pad_choice_for_the_qwen_and_mistral_substitutes():
     assert choose_pad_token(_Tok({"<unk>": 0, "<s>": 1, "</s>": 2})) == "<unk>"
 
 
-def _lora_without_tokenizer(tmp_path):
-    """An untrained LoRA on the shipped SFT model, saved as peft saves one: weights and adapter_config.json only."""
+@pytest.fixture
+def unmergeable_adapter(tmp_path, monkeypatch):
+    """An untrained LoRA on the shipped SFT model, saved as peft saves one (weights and adapter_config.json, no
+    tokenizer files), whose merge into its base raises."""
     import json
+
+    from marlhf_edu import sources
 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -363,37 +367,31 @@ def _lora_without_tokenizer(tmp_path):
     config = tmp_path / "adapter" / "adapter_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": str(SFT_DIR)}))
     assert not (tmp_path / "adapter" / "tokenizer_config.json").exists()
+
+    def merged(*args, **kwargs):
+        raise AssertionError("the adapter was merged")
+
+    monkeypatch.setattr(sources, "materialize_adapter", merged)
     return tmp_path / "adapter"
 
-def test_an_adapter_without_a_tokenizer_gives_its_bases_without_merging(tmp_path, monkeypatch):
+def test_an_adapter_without_a_tokenizer_gives_its_bases_without_merging(unmergeable_adapter):
     """Issue 37: the reward stage read its tokenizer from an SFT adapter by merging it into its base first (a 7B
     merge: tens of seconds and 13.5 GB, before the data was even checked). The base's tokenizer is the same."""
     from marlhf_edu import sources
     from marlhf_edu.models import SFT_DIR
 
-    adapter = _lora_without_tokenizer(tmp_path)
-
-    def merged(*args, **kwargs):
-        raise AssertionError("the adapter was merged to read a tokenizer")
-
-    monkeypatch.setattr(sources, "materialize_adapter", merged)
+    adapter = unmergeable_adapter
     tok = sources.load_tokenizer(str(adapter))
     base = sources.load_tokenizer(str(SFT_DIR))
     assert tok.get_vocab() == base.get_vocab() and tok.pad_token == base.pad_token
 
 
-def test_the_memory_planner_reads_an_adapters_shape_from_its_base_without_merging(tmp_path, monkeypatch):
+def test_the_memory_planner_reads_an_adapters_shape_from_its_base_without_merging(unmergeable_adapter):
     """Issue 37: `marlhf-edu memory` / `preflight` with an SFT adapter merged it into its base to read a shape."""
-    from marlhf_edu import sources
     from marlhf_edu.memory.plan import ModelShape
     from marlhf_edu.models import SFT_DIR
 
-    adapter = _lora_without_tokenizer(tmp_path)
-
-    def merged(*args, **kwargs):
-        raise AssertionError("the adapter was merged to read a shape")
-
-    monkeypatch.setattr(sources, "materialize_adapter", merged)
+    adapter = unmergeable_adapter
     shape = ModelShape.resolve(str(adapter))
     base = ModelShape.resolve(str(SFT_DIR))
     assert (shape.hidden_size, shape.num_layers, shape.vocab_size) == (base.hidden_size, base.num_layers, base.vocab_size)
