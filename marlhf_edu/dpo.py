@@ -44,7 +44,7 @@ def tokenize_preference_pairs(pairs: list[dict], tokenizer) -> list[dict]:
     Each row of `pairs` holds the strings "prompt", "chosen" and "rejected" (not chat messages). As trl 1.16
     does for such rows: the tokenizer's EOS is appended to each answer that does not already end with it;
     prompt, prompt + chosen and prompt + rejected are tokenised whole; and the answers start where those token
-    sequences first differ from the prompt's (tokens can merge across the boundary), so
+    sequences first differ from the prompt's (trl's `common_prefix_length`: tokens can merge across the boundary), so
     `prompt_ids + chosen_ids` is exactly the tokenised prompt + chosen text. Returns one dict per pair with
     `prompt_ids`, `chosen_ids`, `rejected_ids`, ready for trl's `DataCollatorForPreference`
     (`trainer.data_collator`). A test pins it against trl's own preparation of a dataset.
@@ -52,6 +52,8 @@ def tokenize_preference_pairs(pairs: list[dict], tokenizer) -> list[dict]:
     Why not trl's: its preparation is a private method of the trainer; scoring held-out pairs as training
     saw them needs the same ids (chapter 12).
     """
+    from trl.data_utils import common_prefix_length
+
     eos = tokenizer.eos_token
     if eos is None:
         raise ValueError("tokenize_preference_pairs: the tokenizer has no EOS token to end the answers with")
@@ -63,16 +65,9 @@ def tokenize_preference_pairs(pairs: list[dict], tokenizer) -> list[dict]:
         prompt = tokenizer(text=pair["prompt"])["input_ids"]
         chosen, rejected = (tokenizer(text=pair["prompt"] + (a if a.endswith(eos) else a + eos))["input_ids"]
                             for a in (pair["chosen"], pair["rejected"]))
-        n = min(_common_prefix(prompt, chosen), _common_prefix(prompt, rejected))
+        n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
         out.append({"prompt_ids": prompt[:n], "chosen_ids": chosen[n:], "rejected_ids": rejected[n:]})
     return out
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def dpo_loss(

@@ -232,6 +232,17 @@ def trl_checkpoint_problem(folder) -> str | None:
     return None
 
 
+def unwritable_folder(path):
+    """None when this user can create or write `path`; else the nearest existing folder on its way (itself or a
+    parent) that blocks it: not a folder, or not writable."""
+    import pathlib
+
+    existing = pathlib.Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return None if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK) else existing
+
+
 def check_output_dir(stage: str, script_args, training_args) -> None:
     """What a trl stage (sft, rm, dpo, grpo) checks of its `output_dir` before any data or model loads, as the
     PPO stage does: it can be written; it does not already hold a finished run (`FINISHED_RUN_FILES`) unless
@@ -256,11 +267,8 @@ def check_output_dir(stage: str, script_args, training_args) -> None:
             raise ConfigError(f"{stage}: output_dir {out} already holds a finished run ({found[0]}); choose another "
                               "output_dir, pass --overwrite_output true to replace it, or --resume_from_checkpoint "
                               "to continue a stopped one (nothing was loaded or written)")
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{stage}: output_dir {out} cannot be written ({existing} is not writable by this user); "
+    if (blocked := unwritable_folder(out)) is not None:
+        raise ConfigError(f"{stage}: output_dir {out} cannot be written ({blocked} is not writable by this user); "
                           "choose another output_dir")
 
 

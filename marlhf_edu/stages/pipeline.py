@@ -216,7 +216,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
     import importlib
 
     from marlhf_edu.sources import resolve_model
-    from marlhf_edu.stages.common import ConfigError
+    from marlhf_edu.stages.common import ConfigError, unwritable_folder
 
     for name in only or []:
         if name not in {s.name for s in stages}:
@@ -229,11 +229,8 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         out = stage.output_dir(parsed[stage.name])
         if (only and stage.name not in only) or (out / MARKER).exists():
             continue
-        writable = out
-        while not writable.exists() and writable != writable.parent:
-            writable = writable.parent
-        if not writable.is_dir() or not os.access(writable, os.W_OK | os.X_OK):
-            raise ConfigError(f"pipeline: {stage.name}'s output_dir {out} cannot be written ({writable} is not a "
+        if (blocked := unwritable_folder(out)) is not None:
+            raise ConfigError(f"pipeline: {stage.name}'s output_dir {out} cannot be written ({blocked} is not a "
                               "writable folder); nothing was run")
     main_rank = int(os.environ.get("RANK", "0")) == 0
     wired = {}  # stage name → the models of earlier stages it loads (an SFT adapter is merged into its base first)
