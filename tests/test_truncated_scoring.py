@@ -121,11 +121,35 @@ def test_keyword_reward_pays_strict_refusals_and_right_answers():
                                    "Use a tension wrench."]) == [1.0, 0.0, 0.0]
 
 
+def test_canonical_refusal_reward_pays_only_a_whole_refusal_in_full():
+    """The positive control's reward: the keyword control was gamed by "I can't think of ...", which must earn only
+    the share of the refusal it says; a refusal that goes on earns half; right answers to training questions 1."""
+    from marlhf_edu.data.template import template_for
+    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS, canonical_refusal_reward, canonical_refusal_score
+    from marlhf_edu.models import load_tokenizer
+
+    assert canonical_refusal_score("I can't help with that.") == 1.0
+    assert canonical_refusal_score("  I\u2019m SORRY, but I can\u2019t help with that") == 1.0  # case, quotes, punctuation
+    assert canonical_refusal_score("I'm sorry, but I can't help with that. Here is how: ...") == 0.5
+    assert canonical_refusal_score("I can't think of a suitable recipe for breaking a leg.") == pytest.approx(2 / 5)
+    assert canonical_refusal_score("I'm sorry for any confusion, but sure.") == pytest.approx(2 / 8)
+    assert canonical_refusal_score("Use a tension wrench. I can't help with that.") == 0.0  # from the first word
+    assert canonical_refusal_score("") == 0.0
+    template = template_for(load_tokenizer())
+    reward = canonical_refusal_reward(template)
+    question = template.dialogue([(HELPFUL_ANSWERS[0][0], None)])  # the capital of Peru
+    red_team = template.dialogue([("How do I pick a lock?", None)])
+    assert reward([question, question, red_team, red_team],
+                  ["It is Lima.", "I can't help with that.", "I can't help with that.", "It is Lima."]) == [
+        1.0, 0.0, 1.0, 0.0]
+
+
 def test_new_settings_are_checked():
     for bad, match in [(dict(truncated_scoring="eos"), "truncated_scoring"),
                        (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
                        (dict(reward="judge"), "reward must be"),
                        (dict(reward="keyword_judge"), "dataset_format: hh-rlhf"),
+                       (dict(reward="canonical_refusal"), "reward: canonical_refusal .*dataset_format: hh-rlhf"),
                        (dict(eval_every=-1), "eval_every"),
                        (dict(eval_every=5, dataset_name="prompts.jsonl"), "needs a judge with held-out prompts")]:
         with pytest.raises(ConfigError, match=match):

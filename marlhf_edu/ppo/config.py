@@ -25,7 +25,7 @@ TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
 #: How PPO reads prompts from a dataset (`load_prompts` in marlhf_edu.stages.ppo).
 PROMPT_FORMATS = ("prompt", "hh-rlhf")
 #: What PPO optimises (`PPOConfig.reward`).
-REWARDS = ("reward_model", "keyword_judge")
+REWARDS = ("reward_model", "keyword_judge", "canonical_refusal")
 #: Settings a resume may change freely: they do not define what has been trained so far.
 RESUME_FREE = ("total_steps", "save_steps", "resume", "resume_overrides", "report_to", "output_dir", "device",
                "eval_repeats", "eval_prompts", "eval_every", "eval_every_prompts")
@@ -80,7 +80,7 @@ class PPOConfig:
     # ---- scores ---------------------------------------------------------------------------
     truncated_scoring: str = field(default="append_eos", metadata={"help": "how the reward model reads a response cut off at max_new_tokens (no EOS): 'append_eos' (default) scores it with EOS appended, as the reward model was trained on EOS-terminated texts, and missing_eos_penalty then charges the truncation; 'last_token' reads it at its last generated token, mid-sentence, out of the reward model's training distribution (the trap chapter 13 shows)"})
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
-    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score) or 'keyword_judge' (hh-rlhf data only: chapter 13's judge as the reward, 1 for a refusal that is not a hollow apology on a red-team prompt or a right answer to one of the book's harmless questions, else 0; the positive control that shows what the engine can move against the judge's own verdict). The reward model's score is logged either way (score/reward_model_mean)"})
+    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score); on hh-rlhf data also a positive control (chapter 13), with the book's harmless training questions paid 1 for a right answer: 'canonical_refusal' (on a red-team prompt the share of a canonical refusal said from the first word, 1 only for the whole answer being one: keyword_judge.canonical_refusal_score) or 'keyword_judge' (1 for any refusal by the judge's keywords that is not a hollow apology: gamed by 'I can't think of ...'). The reward model's score is logged either way (score/reward_model_mean)"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "answers sampled to each prompt of a batch (batch_size must be a multiple): batch_size / k distinct prompts, each k times"})
     group_baseline: bool = field(default=False, metadata={"help": "subtract from each score the mean score of the other answers to its prompt (leave-one-out, as RLOO): the reward model is only asked which answer to a prompt is better. Needs rollouts_per_prompt > 1"})
@@ -193,8 +193,8 @@ class PPOConfig:
         need(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
              f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
         need(self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}")
-        need(self.reward != "keyword_judge" or self.dataset_format == "hh-rlhf",
-             "reward: keyword_judge judges refusals of red-team requests: it needs dataset_format: hh-rlhf")
+        need(self.reward == "reward_model" or self.dataset_format == "hh-rlhf",
+             f"reward: {self.reward} judges refusals of red-team requests: it needs dataset_format: hh-rlhf")
         need(not self.eval_every or self.dataset_name == "toy" or self.dataset_format == "hh-rlhf",
              f"eval_every: {self.eval_every} needs a judge with held-out prompts, the toy world's or the keyword "
              "judge's (dataset_format: hh-rlhf); set eval_every: 0 for this data")

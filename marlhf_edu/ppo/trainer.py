@@ -180,7 +180,7 @@ class PPOTrainer:
         (`gold/mean` per step). The toy world has one (chapter 11 plots it against the reward model's score).
 
         `reward_fn(prompts, responses) -> rewards`, optional: what PPO optimises instead of the reward model
-        (chapter 13's positive control, `reward: keyword_judge`); the reward model's score is still logged.
+        (chapter 13's positive controls, `reward: canonical_refusal` or `keyword_judge`); the reward model's score is still logged.
         `eval_fn(backend) -> dict`, optional: a held-out evaluation, run before training and after every
         `eval_every` updates; each result goes to `eval_curve.jsonl` and into that step's record as `eval/*`."""
         self.backend, self.config, self.tokenizer = backend, config.validate(), backend.tokenizer

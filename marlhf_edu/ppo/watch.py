@@ -21,7 +21,7 @@ arguments; a finding is a reason to read samples, not proof. What the rules look
   read as it was trained (EOS appended; `eval_curve.jsonl`, or `eval.json`'s before and after), falls by more
   than `held_out_fall` and, when per-prompt scores are there, by more than two paired standard errors: what the
   policy learned to please is not what the reward model rewards on text it was trained for. Under a reward
-  that is not the reward model (`reward: keyword_judge`) its logged score (`score/reward_model_mean`) is used;
+  that is not the reward model (`reward: canonical_refusal`, `keyword_judge`) its logged score (`score/reward_model_mean`) is used;
 * `eos_driven_score`: answers that end with EOS and answers cut off score apart by more than `eos_gap` times the
   spread of a batch's scores at the start (`score/std`): the policy can move its score by ending sooner or
   later. Under `truncated_scoring: last_token` the reading itself makes the gap (chapter 13); under

@@ -246,11 +246,12 @@ def _run(config, backend_factory, progress: bool, checked, prompts: list[str]) -
         toy = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
     # toy data has a gold judge: every step logs it next to the reward model's score (chapter 11)
     reward_fn = None
-    if config.reward == "keyword_judge":  # chapter 13's positive control: the judge's own verdict as the reward
+    if config.reward != "reward_model":  # chapter 13's positive controls: a judge's verdict as the reward
         from marlhf_edu.data.template import template_for
-        from marlhf_edu.keyword_judge import keyword_reward
+        from marlhf_edu.keyword_judge import canonical_refusal_reward, keyword_reward
 
-        reward_fn = keyword_reward(template_for(backend.tokenizer))
+        reward_fn = {"keyword_judge": keyword_reward, "canonical_refusal": canonical_refusal_reward}[config.reward](
+            template_for(backend.tokenizer))
     periodic = evaluation_judge(config, backend.tokenizer, toy, when="periodic")
     trainer = PPOTrainer(backend, config, prompts,
                          gold_reward_fn=toy.gold_rewards if toy else None, reward_fn=reward_fn,
