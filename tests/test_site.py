@@ -169,3 +169,47 @@ def test_previous_next_navigation(browser, site):
     nxt = page.locator("a.right-next").get_attribute("href")
     assert prev.endswith("04_policy_gradient.html") and nxt.endswith("06_ppo_losses.html"), (prev, nxt)
     page.close()
+
+
+# outputs that a reader would have to scroll sideways: wider than the article, or scrolling inside
+TOO_WIDE = """() => {
+  const right = (document.querySelector('article.bd-article') || document.querySelector('article')).getBoundingClientRect().right;
+  return [...document.querySelectorAll('div.cell_output pre, div.cell_output table, div.cell_output img')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1 || e.getBoundingClientRect().right > right + 1)
+    .map(e => (e.innerText || e.getAttribute('src') || '').slice(0, 80).replace(/\\n/g, ' '));
+}"""
+
+
+def test_outputs_wrap_to_the_text_column(browser, site):
+    """Issue 36: cell outputs wrap (site/_static/marlhf.css); with the theme's defaults 155 output blocks of the
+    book scrolled sideways at this width, among them the exercise checkers' FAIL lines."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    wide = {}
+    for name in PAGES:
+        if name.startswith("chapters/"):
+            page.goto(site + name, wait_until="load")
+            if blocks := page.evaluate(TOO_WIDE):
+                wide[name] = blocks[:2]
+    page.close()
+    assert not wide, f"output blocks wider than the text column: {wide}"
+
+
+def test_answers_are_folded_and_closed(browser, site):
+    """The site shows the instructor copies with every answer folded (tools/book.py fold_answers): each model
+    answer in a closed <details>, the exercise's solution source behind myst-nb's closed toggle."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / "05_gae.ipynb", 4)
+    answers = sum(c.cell_type == "markdown" and c.metadata.get("nbgrader", {}).get("solution", False)
+                  for c in nb.cells)
+    page = open_page(browser, site + "chapters/05_gae.html")
+    folded = page.evaluate("() => [...document.querySelectorAll('details.marlhf-answer')].map(d => d.open)")
+    assert answers >= 3 and folded == [False] * answers
+    assert not page.locator("details.marlhf-answer p").first.is_visible()
+    solution = page.locator("details.hide.above-input", has_text="def my_gae_bootstrap")
+    assert solution.count() == 1 and solution.evaluate("d => d.open") is False
+    assert not page.get_by_text("BEGIN SOLUTION").first.is_visible()
+    page.locator("details.marlhf-answer summary").first.click()
+    assert page.locator("details.marlhf-answer").first.evaluate("d => d.open")
+    page.screenshot(path=str(SHOTS / "chapters_05_gae_answers.png"))
+    page.close()

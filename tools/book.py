@@ -6,6 +6,7 @@
   python tools/book.py status                 list chapter pairs that are out of sync or unexecuted
   python tools/book.py grading                write nbgrader cell metadata into chapters/ from the exercise markers
   python tools/book.py assignments [NAME ...] build course/source/ from the stored notebooks, release into course/release/
+  python tools/book.py learner [NAME ...]     the learner edition: learner/ from the stored notebooks, answers removed
 
 Exercise markers in a chapter (the chapter stays the single source; `grading` turns them into nbgrader metadata,
 which jupytext's pairing keeps):
@@ -37,6 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHAPTERS = ROOT / "chapters"
 NOTEBOOKS = ROOT / "notebooks"
 COURSE = ROOT / "course"
+LEARNER = ROOT / "learner"
 BUILD = ROOT / "build"
 SITE = ROOT / "site"
 # the parts of MathJax's es5 distribution that TeX input with CHTML output loads
@@ -154,16 +156,28 @@ def read_chapter(md: pathlib.Path):
     return nb
 
 
-def execute(nb, timeout: int = 900, cwd: pathlib.Path = NOTEBOOKS):
+def execute(nb, timeout: int = 900, cwd: pathlib.Path = NOTEBOOKS, name: str = "", progress_s: float = 10.0):
+    """Execute `nb` in place in a fresh kernel (working directory `cwd`); returns the seconds it took. With `name`,
+    prints a progress line (chapter, code cell i of n, seconds so far) after any cell that ends more than
+    `progress_s` seconds after the last line, so a long chapter is never silent for long."""
     from nbclient import NotebookClient
 
     os.environ.update(QUIET_ENV)
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    start = last = time.perf_counter()
+
+    def on_cell_executed(cell, cell_index, **_):
+        nonlocal last
+        now = time.perf_counter()
+        if name and now - last >= progress_s:
+            print(f"  {name}: code cell {code.index(cell_index) + 1} of {len(code)}, {now - start:.0f} s", flush=True)
+            last = now
+
     # the kernel listens on loopback only; ipykernel's notice that such TCP is unencrypted is not for
     # readers of the build log, so its own log stops at errors
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                             extra_arguments=["--IPKernelApp.log_level=ERROR"],
-                            resources={"metadata": {"path": str(cwd)}})
-    start = time.perf_counter()
+                            resources={"metadata": {"path": str(cwd)}}, on_cell_executed=on_cell_executed)
     client.execute()
     return time.perf_counter() - start
 
@@ -176,11 +190,12 @@ def execute_chapters(out_dir: pathlib.Path, names: list[str] | None = None) -> d
     for md in chapter_paths(names, problems=out_dir == NOTEBOOKS):
         nb = read_chapter(md)
         notebook_path(md).parent.mkdir(parents=True, exist_ok=True)
-        timings[md.stem] = round(execute(nb, cwd=notebook_path(md).parent), 1)
+        print(f"{md.stem}: executing {sum(c.cell_type == 'code' for c in nb.cells)} code cells", flush=True)
+        timings[md.stem] = round(execute(nb, cwd=notebook_path(md).parent, name=md.stem), 1)
         out = out_dir / notebook_path(md).relative_to(NOTEBOOKS)
         out.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out)
-        print(f"{out.relative_to(ROOT)}: executed in {timings[md.stem]:.1f} s")
+        print(f"{out.relative_to(ROOT)}: executed in {timings[md.stem]:.1f} s", flush=True)
     return timings
 
 
@@ -217,11 +232,39 @@ def stage_site(notebooks: pathlib.Path) -> pathlib.Path:
         shutil.rmtree(src)
     shutil.copytree(SITE, src, ignore=shutil.ignore_patterns("package*.json", "__pycache__"))
     (src / "chapters").mkdir()
+    import nbformat
+
     for md in chapter_paths():
-        shutil.copy(notebooks / f"{md.stem}.ipynb", src / "chapters" / f"{md.stem}.ipynb")
+        nb = fold_answers(nbformat.read(notebooks / f"{md.stem}.ipynb", as_version=4))
+        nbformat.write(nb, src / "chapters" / f"{md.stem}.ipynb")
     if os.environ.get("MARLHF_MATHJAX_CDN") != "1":
         install_mathjax(src / "_static")
     return src
+
+
+ANSWER_OPEN = '<details class="marlhf-answer"><summary>{title}</summary>\n\n'
+ANSWER_CLOSE = "\n\n</details>"
+
+
+def fold_answers(nb):
+    """The site's copy of a chapter with its answers folded, closed until a reader opens them: the source of an
+    exercise's solution and of a graded cell's hidden tests (myst-nb's `hide-input` toggle), the listing of a
+    package function the exercise withholds (`hide-output`), and each model answer (an HTML <details> around it,
+    whose markdown and math the site still renders)."""
+    hidden = withheld_names(nb)
+    for cell in nb.cells:
+        grading = cell.get("metadata", {}).get("nbgrader", {})
+        tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+        if cell.cell_type == "markdown" and grading.get("solution"):
+            points = ANSWER.match(cell.source)
+            title = f"Model answer ({points.group(1)} point{'s' * (points.group(1) != '1')})" if points else "Model answer"
+            cell.source = ANSWER_OPEN.format(title=title) + cell.source + ANSWER_CLOSE
+        elif cell.cell_type == "code" and (grading.get("solution") or "### BEGIN HIDDEN TESTS" in cell.source):
+            tags.append("hide-input")
+        elif cell.cell_type == "code" and any((m := SHOWN.match(line.strip())) and m.group(1) in hidden
+                                              for line in cell.source.splitlines()):
+            tags.append("hide-output")
+    return nb
 
 
 def execute_all() -> pathlib.Path:
@@ -293,11 +336,12 @@ def withheld_names(nb) -> set[str]:
             for path in getattr(exercises, name).withholds}
 
 
-def student_source(nb, stem: str, files: set[str]):
+def student_source(nb, stem: str, files: set[str], local_paths: bool = True):
     """The nbgrader source of a chapter: the instructor copy without the answers' `show()` and with paths local.
 
     Paths `../configs/X` and `../benchmarks/X` become `configs/X` and `benchmarks/X` (added to `files`, copied
-    next to the notebook): an assignment travels as one folder. Outputs are cleared (nbgrader would anyway).
+    next to the notebook): an assignment travels as one folder. With `local_paths=False` they stay as they are
+    (the learner edition sits beside notebooks/). Outputs are cleared (nbgrader would anyway).
     """
     import nbformat
 
@@ -316,7 +360,8 @@ def student_source(nb, stem: str, files: set[str]):
                 cell.source = "\n".join(lines).strip("\n")
             for found in re.findall(r"\.\./((?:configs|benchmarks)/[\w./-]+)", cell.source):
                 files.add(confined_path(found, stem))
-            cell.source = re.sub(r"\.\./(configs|benchmarks)/", r"\1/", cell.source)
+            if local_paths:
+                cell.source = re.sub(r"\.\./(configs|benchmarks)/", r"\1/", cell.source)
             cell.outputs, cell.execution_count = [], None
         cells.append(cell)
     nb.cells = cells
@@ -379,6 +424,59 @@ def cmd_assignments(names: list[str] | None, root: pathlib.Path = COURSE) -> lis
     return built
 
 
+def learner_copy(nb, stem: str):
+    """The learner edition of an instructor notebook: what nbgrader releases to students, built without a course.
+    The answers' `show()` cells go (as for an assignment), nbgrader's own preprocessors replace each solution with
+    its stub, drop the hidden tests and the model answers, and clear every output (the learner runs the cells).
+    Paths stay as in notebooks/, so a copy runs from learner/ as the instructor copy does from notebooks/."""
+    from nbgrader.preprocessors import ClearHiddenTests, ClearMarkScheme, ClearOutput, ClearSolutions
+
+    nb, resources = student_source(nb, stem, set(), local_paths=False), {}
+    for step in (ClearSolutions(), ClearHiddenTests(), ClearMarkScheme(), ClearOutput()):
+        nb, resources = step.preprocess(nb, resources)
+    nb.metadata.pop("jupytext", None)  # not paired with chapters/: saving it must never write a chapter
+    return nb
+
+
+def learner_server_config(config_dir: pathlib.Path) -> pathlib.Path:
+    """A Jupyter configuration directory whose JupyterLab hides nbgrader (its menu, Validate button and panels,
+    and the server extensions behind them): the learner's JupyterLab. `make teach` runs without it."""
+    (config_dir / "labconfig").mkdir(parents=True, exist_ok=True)
+    (config_dir / "labconfig" / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyter/nbgrader": True}}, indent=1) + "\n")
+    server = {f"nbgrader.server_extensions.{name}": False
+              for name in ("formgrader", "validate_assignment", "assignment_list", "course_list")}
+    (config_dir / "jupyter_server_config.json").write_text(
+        json.dumps({"ServerApp": {"jpserver_extensions": server}}, indent=1) + "\n")
+    return config_dir
+
+
+def cmd_learner(names: list[str] | None, out: pathlib.Path = LEARNER) -> list[pathlib.Path]:
+    """learner/ (mirroring notebooks/) from the stored notebooks: the learner edition. Rebuilt from the instructor
+    copies each time; a learner's own edited copy is never overwritten (it is kept, and named)."""
+    import nbformat
+
+    written, kept = [], []
+    for md in chapter_paths(names, problems=True):
+        target = out / notebook_path(md).relative_to(NOTEBOOKS)
+        nb = learner_copy(nbformat.read(notebook_path(md), as_version=4), md.stem)
+        text = nbformat.writes(nb) + "\n"
+        stamp = target.with_name(f".{target.stem}.built")
+        if target.exists() and (not stamp.exists() or stamp.read_text() != target.read_text()):
+            kept.append(target)  # the learner has worked in it
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        stamp.write_text(text)
+        written.append(target)
+    learner_server_config(out / ".jupyter")
+    # jupytext reads the nearest jupytext.toml: the repository's pairs notebooks/ with chapters/, this one pairs nothing
+    (out / "jupytext.toml").write_text("# the learner edition: plain notebooks, paired with nothing\nformats = \"ipynb\"\n")
+    print(f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}/: {len(written)} notebook(s) written"
+          + (f"; kept your edited {', '.join(p.name for p in kept)} (delete one to get it fresh)" if kept else ""))
+    return written
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -391,6 +489,8 @@ def main() -> None:
     grading.add_argument("names", nargs="*")
     assignments = sub.add_parser("assignments")
     assignments.add_argument("names", nargs="*")
+    learner = sub.add_parser("learner")
+    learner.add_argument("names", nargs="*")
     args = parser.parse_args()
     if args.cmd == "notebooks":
         cmd_notebooks(args.names)
@@ -398,6 +498,8 @@ def main() -> None:
         cmd_grading(args.names)
     elif args.cmd == "assignments":
         cmd_assignments(args.names)
+    elif args.cmd == "learner":
+        cmd_learner(args.names)
     elif args.cmd == "site":
         cmd_site(args.execute)
     else:

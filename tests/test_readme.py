@@ -1,0 +1,59 @@
+"""The README is the front door (issue 36): its links, pictures, make targets and commands must stay true."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_every_link_and_picture_exists():
+    targets = re.findall(r"\]\(([^)#\s]+)\)", README)
+    assert "docs/figures/pipeline.png" in targets and "LICENSE" in targets
+    missing = [t for t in targets if not t.startswith("http") and not (ROOT / t).exists()]
+    assert not missing, missing
+
+
+def test_the_reading_path_lists_every_chapter_and_problem_set_in_order():
+    listed = re.findall(r"\]\(chapters/(?:problems/)?(\w+)\.md\)", README)
+    chapters = sorted(p.stem for p in (ROOT / "chapters").glob("[0-9][0-9]_*.md"))
+    problems = sorted(p.stem for p in (ROOT / "chapters" / "problems").glob("p*.md"))
+    assert listed == chapters + problems
+
+
+def test_it_stays_a_front_door():
+    assert len(README.splitlines()) <= 160
+    assert README.index("make lab") < README.index("make test")  # a learner's first command comes first
+
+
+def test_every_make_target_it_names_exists():
+    makefile = (ROOT / "Makefile").read_text()
+    targets = {t for line in makefile.splitlines() if (m := re.match(r"^([\w -]+):(?!=)", line))
+               for t in m.group(1).split()}
+    named = set(re.findall(r"`make (\w[\w-]*)", README)) | set(re.findall(r"^make ([\w-]+)", README, re.M))
+    assert {"lab", "test", "book", "teach", "assignments", "notebooks", "test-portable", "install"} <= named
+    assert named <= targets, named - targets
+
+
+def test_python_version_it_names_is_the_declared_one():
+    assert 'requires-python = ">=3.11"' in (ROOT / "pyproject.toml").read_text() and "Python 3.11" in README
+
+
+def test_its_gpu_commands_parse():
+    """The three GPU lines: gpu_check's parts exist, and preflight plans the 7B config as written (on a CPU, in
+    seconds: it builds the model on the meta device)."""
+    block = re.search(r"## With a GPU\n\n```bash\n(.*?)```", README, re.S).group(1)
+    lines = [l.split("#")[0].split() for l in block.replace("\\\n", " ").strip().splitlines()]
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    assert lines[0][:2] == ["python", "tools/gpu_check.py"] and set(lines[0][2:]) <= set(gpu_check.PARTS)
+    assert lines[1][:2] == ["marlhf-edu", "preflight"]
+    from marlhf_edu.memory.preflight import main as preflight
+
+    result = preflight(lines[1][2:])
+    assert result["plan"] and (ROOT / lines[2][3]).exists() and lines[2][:2] == ["marlhf-edu", "pipeline"]
