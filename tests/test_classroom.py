@@ -203,3 +203,14 @@ def test_learner_edition_has_no_answers_and_keeps_a_learners_work(tmp_path):
     assert "return None" in copy.read_text()
     copy.unlink()
     assert book.cmd_learner(["05_gae"], out=tmp_path) == [copy]
+
+
+def test_executing_a_chapter_prints_progress(capsys, tmp_path):
+    """Issue 36: `make notebooks` is never silent for long: a line per cell that ends `progress_s` after the last."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# t"), nbformat.v4.new_code_cell("1 + 1"),
+                nbformat.v4.new_code_cell("2 + 2")]
+    book.execute(nb, cwd=tmp_path, name="t", progress_s=0)
+    assert re.findall(r"t: code cell (\d) of 2, \d+ s", capsys.readouterr().out) == ["1", "2"]
+    book.execute(nb, cwd=tmp_path, name="t", progress_s=3600)
+    assert "code cell" not in capsys.readouterr().out
