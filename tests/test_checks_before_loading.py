@@ -220,3 +220,19 @@ def test_a_malformed_pipeline_file_is_a_config_error_naming_it(tmp_path, text, m
     path.write_text(text)
     with pytest.raises(ConfigError, match=f"{path}.*{message}"):
         load_pipeline(str(path), [])
+
+
+def test_an_evaluation_the_keyword_judge_cannot_give_is_refused_before_loading(tmp_path, no_loading, monkeypatch):
+    """The keyword judge is built from the tokenizer alone, before any model loads (it used to be built after
+    loading, so a judge without prompts failed a run that had already loaded its models), and the run reuses it."""
+    from marlhf_edu import keyword_judge
+
+    def no_request_fits(self, tokenizer, limit=None, max_prompt_tokens=64, **kwargs):
+        raise ValueError(f"KeywordJudge: no test request fits in {max_prompt_tokens} tokens")
+
+    monkeypatch.setattr(keyword_judge.KeywordJudge, "__init__", no_request_fits)
+    with pytest.raises(ConfigError, match="no test request fits in 64 tokens: raise max_prompt_length"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--dataset_name", "hh-rlhf-harmless-base",
+             "--dataset_format", "hh-rlhf", "--max_prompt_length", "64", "--drop_long_prompts", "true",
+             "--skip_bad_rows", "true"])
+    assert not (tmp_path / "run").exists()

@@ -78,10 +78,11 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     return prompts
 
 
-def evaluation_judge(config, tokenizer, toy=None, when: str = "before_after"):
+def evaluation_judge(config, tokenizer, toy=None, when: str = "before_after", judge=None):
     """What judges the policy before and after training (`when="before_after"`, off with `eval_repeats: 0`) or
     every `eval_every` updates (`when="periodic"`, off with `eval_every: 0`): the toy world, the keyword judge of
-    chapter 13 for hh-rlhf data (its held-out red-team requests and benign questions), or None (other data)."""
+    chapter 13 for hh-rlhf data (its held-out red-team requests and benign questions; `judge` when one was built
+    already, by `check_before_loading`), or None (other data)."""
     if not (config.eval_repeats if when == "before_after" else config.eval_every):
         return None
     if toy is not None:
@@ -89,7 +90,8 @@ def evaluation_judge(config, tokenizer, toy=None, when: str = "before_after"):
     if config.dataset_format == "hh-rlhf":
         from marlhf_edu.keyword_judge import KeywordJudge
 
-        return KeywordJudge(tokenizer, limit=config.eval_prompts or None, max_prompt_tokens=config.max_prompt_length)
+        return judge or KeywordJudge(tokenizer, limit=config.eval_prompts or None,
+                                     max_prompt_tokens=config.max_prompt_length)
     return None
 
 
@@ -173,12 +175,13 @@ def export_policy(backend, config, out_dir) -> None:
     record_base(out_dir, config.sft_model_path)
 
 
-def check_before_loading(config, backend_factory=None) -> list[str]:
+def check_before_loading(config, backend_factory=None) -> tuple[list[str], object]:
     """The user's mistakes a model load would otherwise find first, refused as `ConfigError` before anything
     loads: an unknown tracker, an engine option the chosen engine cannot honour, a reward adapter folder that
-    does not exist, a prompt file that cannot be read, and prompts longer than `max_prompt_length`. The prompts
-    are read once, here, with the policy's tokenizer alone (an SFT adapter's is its base's: nothing is merged),
-    and returned for the run."""
+    does not exist, a prompt file that cannot be read, prompts longer than `max_prompt_length`, and an evaluation
+    the keyword judge cannot give (no held-out request fits in `max_prompt_length`). The prompts are read once,
+    here, with the policy's tokenizer alone (an SFT adapter's is its base's: nothing is merged); returns them and
+    the keyword judge (None when the run has none) for the run."""
     from marlhf_edu.data.formats import DataFileError
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
     from marlhf_edu.ppo.trainer import check_prompt_lengths
@@ -208,7 +211,13 @@ def check_before_loading(config, backend_factory=None) -> list[str]:
     except DataFileError as err:
         raise ConfigError(str(err)) from None
     check_prompt_lengths(prompts, tokenizer, config.max_prompt_length)
-    return prompts
+    judge = None
+    if config.dataset_name != "toy" and (config.eval_repeats or config.eval_every):
+        try:
+            judge = evaluation_judge(config, tokenizer, when="before_after" if config.eval_repeats else "periodic")
+        except ValueError as err:
+            raise ConfigError(f"{err}: raise max_prompt_length, or set eval_repeats: 0 and eval_every: 0") from None
+    return prompts, judge
 
 
 def run(config, backend_factory=None, progress: bool = True) -> dict:
@@ -222,13 +231,13 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     from marlhf_edu.ppo.run_files import RunLock, check_run_folder
 
     config.validate()
-    prompts = check_before_loading(config, backend_factory)
+    prompts, judge = check_before_loading(config, backend_factory)
     with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
         checked = check_run_folder(config)
-        return _run(config, backend_factory, progress, checked, prompts)
+        return _run(config, backend_factory, progress, checked, prompts, judge)
 
 
-def _run(config, backend_factory, progress: bool, checked, prompts: list[str]) -> dict:
+def _run(config, backend_factory, progress: bool, checked, prompts: list[str], judge=None) -> dict:
     import torch
 
     from marlhf_edu.ppo import FourModelBackend, PPOTrainer
@@ -252,13 +261,13 @@ def _run(config, backend_factory, progress: bool, checked, prompts: list[str]) -
 
         reward_fn = {"keyword_judge": keyword_reward, "canonical_refusal": canonical_refusal_reward}[config.reward](
             template_for(backend.tokenizer))
-    periodic = evaluation_judge(config, backend.tokenizer, toy, when="periodic")
+    periodic = evaluation_judge(config, backend.tokenizer, toy, when="periodic", judge=judge)
     trainer = PPOTrainer(backend, config, prompts,
                          gold_reward_fn=toy.gold_rewards if toy else None, reward_fn=reward_fn,
                          eval_fn=None if periodic is None else periodic_evaluation(periodic, config))
     trainer.run_folder_checked = checked if config.resume else True  # checked once, before loading (not twice)
     out = pathlib.Path(config.output_dir)
-    world = evaluation_judge(config, backend.tokenizer, toy)
+    world = evaluation_judge(config, backend.tokenizer, toy, judge=judge)
     result = {}
     # every rank evaluates (the same weights and seed give the same answers; nobody idles at a barrier past its
     # timeout while rank 0 samples), rank 0 alone writes
