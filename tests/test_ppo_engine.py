@@ -364,9 +364,21 @@ def test_training_curves_plot(tmp_path, prompts):
     drawn = [ax for ax in fig.axes if ax.lines]
     assert len(drawn) == len(PANELS)
     assert len(fig.axes[0].lines) == 2  # both runs on the score panel
-    clip = next(ax for ax in fig.axes if ax.get_title() == "clipfrac")
-    labels = clip.get_legend_handles_labels()[1]  # policy/clipfrac and value/clipfrac must not share a label
-    assert sorted(labels) == ["a policy", "a value", "b policy", "b value"]
+    # issue 36: no legend inside a panel (one covered the curves in each of ten panels); one legend for the
+    # figure, below every panel, naming each run once
+    assert not any(ax.get_legend() for ax in fig.axes)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "b"]
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    assert all(box.y1 <= ax.get_window_extent().y0 for ax in drawn)
+    # the two keys of a panel: one style each, named in its title (policy/clipfrac and value/clipfrac apart)
+    clip = next(ax for ax in fig.axes if ax.get_title().startswith("clipfrac"))
+    assert clip.get_title() == "clipfrac\n(policy solid, value dashed)"
+    assert [line.get_linestyle() for line in clip.lines] == ["-", "--", "-", "--"]
+    assert len({line.get_color() for line in clip.lines}) == 2
+    with pytest.raises(ValueError, match="at most 10"):
+        plot_training_curves({str(i): records for i in range(11)})
 
 
 class _Payload:

@@ -20,6 +20,12 @@ PANELS = (
 )
 
 
+#: the most runs one figure overlays: each run gets a colour of its own (matplotlib's ten "tab10" colours)
+MAX_RUNS = 10
+#: line styles that tell the keys of one panel apart (kl/k1 solid, kl/k3 dashed)
+KEY_STYLES = ("-", "--", ":")
+
+
 def _key_label(key: str, keys) -> str:
     """How a curve is told apart from the others in its panel: 'k1'/'k3' for kl/k1, kl/k3, but 'policy'/'value'
     for policy/clipfrac, value/clipfrac (their last parts are the same)."""
@@ -29,11 +35,13 @@ def _key_label(key: str, keys) -> str:
     return key.split("/")[0] if len(set(last)) < len(last) else key.split("/")[-1]
 
 
-def plot_training_curves(runs, panels=PANELS, ncols: int = 5, width: float = 2.6, height: float = 2.1):
+def plot_training_curves(runs, panels=PANELS, ncols: int = 3, width: float = 3.2, height: float = 2.4):
     """Draw `panels` for one or several runs; returns the matplotlib figure.
 
-    `runs`: a path to `metrics.jsonl`, a list of records, or a dict `{label: path or records}`
-    to overlay runs (e.g. four-model vs multi-adapter). The score panel shades ± one std.
+    `runs`: a path to `metrics.jsonl`, a list of records, or a dict `{label: path or records}` to overlay up to
+    `MAX_RUNS` runs (e.g. four-model vs multi-adapter). Each run has its own colour, named once in a legend
+    below the panels (not inside any panel, where it would cover the curves); the keys of one panel (kl/k1 and
+    kl/k3) differ by line style, named in the panel's title. The score panel shades ± one std.
     """
     import matplotlib.pyplot as plt
 
@@ -41,6 +49,9 @@ def plot_training_curves(runs, panels=PANELS, ncols: int = 5, width: float = 2.6
 
     if not isinstance(runs, dict):
         runs = {"": runs}
+    if len(runs) > MAX_RUNS:
+        raise ValueError(f"plot_training_curves: {len(runs)} runs on one figure; at most {MAX_RUNS} have colours "
+                         "a reader can tell apart: pass a subset, or draw several figures")
     runs = {label: (read_metrics(r) if not isinstance(r, list) else r) for label, r in runs.items()}
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
@@ -50,20 +61,23 @@ def plot_training_curves(runs, panels=PANELS, ncols: int = 5, width: float = 2.6
             for j, key in enumerate(keys):
                 if not records or key not in records[0]:
                     continue
-                name = " ".join(x for x in (label, _key_label(key, keys)) if x)
                 ys = [r[key] for r in records]
-                ax.plot(steps, ys, color=f"C{i}", ls=("-", "--", ":")[j % 3], lw=1.4, label=name or None)
+                ax.plot(steps, ys, color=f"C{i}", ls=KEY_STYLES[j % len(KEY_STYLES)], lw=1.4, label=label or None)
                 if key == "score/mean" and "score/std" in records[0]:
                     std = [r["score/std"] for r in records]
                     ax.fill_between(steps, [y - s for y, s in zip(ys, std)], [y + s for y, s in zip(ys, std)],
                                     color=f"C{i}", alpha=0.12)
-        ax.set_title(title, fontsize=9)
-        ax.tick_params(labelsize=7)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
+        styles = {"-": "solid", "--": "dashed", ":": "dotted"}
+        named = [f"{_key_label(k, keys)} {styles[KEY_STYLES[j % len(KEY_STYLES)]]}" for j, k in enumerate(keys)]
+        ax.set_title(title + (f"\n({', '.join(named)})" if len(keys) > 1 else ""), fontsize=10)
+        ax.tick_params(labelsize=8)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     for ax in axes[-1]:
-        ax.set_xlabel("PPO step", fontsize=8)
+        ax.set_xlabel("PPO step", fontsize=9)
     fig.tight_layout()
+    if any(runs):  # one legend for the figure, below the panels
+        handles = [plt.Line2D([], [], color=f"C{i}", lw=2) for i in range(len(runs))]
+        fig.legend(handles, list(runs), loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=9,
+                   ncol=min(len(runs), 3), frameon=False)
     return fig
