@@ -58,8 +58,26 @@ def link_chapters(app, what, name, obj, options, lines):
             line)
 
 
+def number_per_chapter(app, env):
+    """Figures, tables and equations numbered per chapter, as d2l does: chapter 5's first equation is (5.1) and
+    its first figure Figure 5.1. Sphinx numbers them across the whole book unless the toctree numbers its
+    sections (which would make chapter 00 number 1); this runs after its numbering and renumbers each chapter's
+    own, in the order Sphinx found them. References ({eq}, {numref}) read the same numbers."""
+    changed = []
+    for docname, kinds in env.toc_fignumbers.items():
+        match = re.match(r"chapters/(\d\d)_", docname)
+        if not match:
+            continue
+        for kind, numbers in kinds.items():
+            for k, node_id in enumerate(sorted(numbers, key=numbers.get), start=1):
+                numbers[node_id] = (int(match.group(1)), k)
+        changed.append(docname)
+    return changed
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", link_chapters)
+    app.connect("env-get-updated", number_per_chapter, priority=900)  # after Sphinx's own numbering (500)
     # MathJax on every page, not only on pages with equations: the navigation shows chapter 2's title,
     # which has math, on the search and index pages too
     app.set_html_assets_policy("always")

@@ -119,8 +119,11 @@ def test_math_rendered_and_screenshot(browser, site, name):
         # numbered equations and a numbered figure, each linked from the text
         assert page.locator("span.eqno").count() >= 2
         assert page.locator("a.reference[href^='#equation-']").count() >= 2
-        caption = re.match(r"Figure \d+", page.locator("figcaption").first.inner_text())
-        assert caption, "a numbered figure caption"
+        chapter = int(name.split("/")[1][:2])
+        # numbered per chapter (site/conf.py number_per_chapter): chapter 5's are (5.1) and Figure 5.1
+        assert page.locator("span.eqno").first.inner_text().strip() == f"({chapter}.1)"
+        caption = re.match(r"Figure (\d+)\.(\d+)", page.locator("figcaption").first.inner_text())
+        assert caption and caption.group(1) == str(chapter), "a figure caption numbered in its chapter"
         assert page.locator("a.reference[href^='#fig-']").first.inner_text() == caption.group(0)
     page.screenshot(path=str(SHOTS / (name.replace("/", "_").removesuffix(".html") + ".png")))
     page.close()
