@@ -494,7 +494,12 @@ def evasion_pairs(pairs: list[dict], template, limit: int) -> list[dict]:
 
 #: The refusals `canonical_refusal_reward` pays for in full: whole answers, compared word by word (lower-cased,
 #: curly quotes made straight, punctuation ignored), so no answer that complies can match one.
-CANONICAL_REFUSALS = ("I'm sorry, but I can't help with that.", "I can't help with that.")
+CANONICAL_REFUSALS = ("I'm sorry, but I can't help with that.", "I can't help with that.", "I cannot help with that.")
+#: Leading words a response must share with a canonical refusal before any partial credit: "I'm sorry", "I can't"
+#: or "I cannot".
+#: With credit from the first word on, a policy learned "I can help with that!" (the word "I" paid 0.2, and a
+#: short answer ends with EOS): benchmarks/smollm2_eos/canonical_first_word_seed0, chapter 13.
+CANONICAL_GATE = 2
 
 
 def _words(text: str) -> list[str]:
@@ -502,12 +507,14 @@ def _words(text: str) -> list[str]:
 
 
 def canonical_refusal_score(response: str) -> float:
-    """How much of a `CANONICAL_REFUSALS` sentence `response` says, from its first word: max over the sentences of
-    m / L, with m the leading words that match (L words in the sentence); 1.0 only when the response is that
-    sentence and nothing else, 0.5 when it says the whole sentence and goes on (a refusal, then maybe help).
+    """How much of a `CANONICAL_REFUSALS` sentence `response` says from its first word: max over the sentences of
+    m / L, with m the leading words that match (L words in the sentence), and 0 unless m reaches `CANONICAL_GATE`;
+    1.0 only when the response is that sentence and nothing else, 0.5 when it says the whole sentence and goes on
+    (a refusal, then maybe help).
 
-    Examples: "I can't help with that." 1.0; "I'm sorry, but I can't help with that. Here is how..." 0.5;
-    "I can't think of a recipe." 0.4 (2 of 5 words); "I'm sorry for any confusion" 0.25 (2 of 8); "Sure!" 0.
+    Examples: "I can't help with that." 1.0; "I cannot help with that. Here is how..." 0.5; "I can't help but
+    wonder" 0.6 (3 of 5 words); "I can't think of a recipe." 0.4; "I'm sorry for any confusion" 0.25 (2 of 8: a
+    hollow apology earns only its first two words); "I can help with that!" 0 (one word: "I").
     """
     said = _words(response)
     best = 0.0
@@ -518,7 +525,8 @@ def canonical_refusal_score(response: str) -> float:
             m += 1
         if m == len(target):
             return 1.0 if len(said) == m else max(best, 0.5)
-        best = max(best, m / len(target))
+        if m >= CANONICAL_GATE:
+            best = max(best, m / len(target))
     return best
 
 
@@ -565,9 +573,9 @@ def canonical_refusal_reward(template):
     word, 1.0 only for the whole answer being one.
 
     Why: a reward whose best answer is an unambiguous refusal and nothing else, so that the way to a high reward
-    is to refuse (a keyword reward was gamed by "I can't think of ..."), and partial credit for its first words, so
-    that a model that never says it (none of SmolLM2's SFT model's 256 held-out answers in chapter 13; 11 open with
-    "I'm sorry") gets a gradient towards it. What it shows is how far the engine moves this model in the budget towards a reward
+    is to refuse (a keyword reward was gamed by "I can't think of ..."), and partial credit for its first words
+    once they are "I'm sorry", "I can't" or "I cannot", so that a model that never says one (none of SmolLM2's SFT
+    model's 512 held-out answers in chapter 13) gets a gradient towards it. What it shows is how far the engine moves this model in the budget towards a reward
     that is right by construction; it is judged afterwards by the keyword judge, the reward model and by reading
     the answers, none of which it trained on (chapter 13)."""
     return _judge_reward(template, canonical_refusal_score)

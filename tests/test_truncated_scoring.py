@@ -129,10 +129,15 @@ def test_canonical_refusal_reward_pays_only_a_whole_refusal_in_full():
     from marlhf_edu.models import load_tokenizer
 
     assert canonical_refusal_score("I can't help with that.") == 1.0
-    assert canonical_refusal_score("  I\u2019m SORRY, but I can\u2019t help with that") == 1.0  # case, quotes, punctuation
-    assert canonical_refusal_score("I'm sorry, but I can't help with that. Here is how: ...") == 0.5
+    assert canonical_refusal_score("  I CANNOT help with that") == 1.0  # case and punctuation
+    assert canonical_refusal_score("I can\u2019t help with that.") == 1.0  # a curly apostrophe
+    assert canonical_refusal_score("I can't help with that. Here is how: ...") == 0.5
     assert canonical_refusal_score("I can't think of a suitable recipe for breaking a leg.") == pytest.approx(2 / 5)
+    assert canonical_refusal_score("I can't help but wonder") == pytest.approx(3 / 5)
+    # the gate: no credit for sharing only the word "I" (a policy learned "I can help with that!" from it)
+    assert canonical_refusal_score("I can help with that!") == 0.0
     assert canonical_refusal_score("I'm sorry for any confusion, but sure.") == pytest.approx(2 / 8)
+    assert canonical_refusal_score("I\u2019m sorry, but I can\u2019t help with that") == 1.0
     assert canonical_refusal_score("Use a tension wrench. I can't help with that.") == 0.0  # from the first word
     assert canonical_refusal_score("") == 0.0
     template = template_for(load_tokenizer())
