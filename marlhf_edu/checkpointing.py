@@ -34,6 +34,8 @@ from typing import Callable
 
 from torch import nn
 
+from marlhf_edu.errors import ConfigError
+
 
 def decoder_layers_of(model: nn.Module) -> list[nn.Module]:
     """Every module of `model` that transformers can checkpoint (its decoder layers)."""
@@ -49,7 +51,6 @@ def enable_checkpointing(model: nn.Module, recompute_context: Callable[[], conte
     `recompute_context()` is called when a layer runs forward; the context manager it returns wraps that layer's
     recomputation in the backward. Returns `model`.
     """
-    from marlhf_edu.stages.common import ConfigError
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not getattr(base, "supports_gradient_checkpointing", False) or not decoder_layers_of(base):

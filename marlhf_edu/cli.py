@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 import marlhf_edu
+from marlhf_edu.errors import ConfigError
 
 COMMANDS = {
     "sft": ("marlhf_edu.stages.sft", "supervised fine-tuning (trl SFTTrainer, completion-only loss)"),
@@ -59,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    from marlhf_edu.data.formats import BadRowError, DataFileError
-    from marlhf_edu.stages.common import ConfigError
+    from marlhf_edu.errors import BadRowError, DataFileError
 
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:

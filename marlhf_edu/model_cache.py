@@ -32,6 +32,8 @@ import shutil
 import stat
 import tempfile
 
+from marlhf_edu.errors import ConfigError
+
 MANIFEST = "marlhf_manifest.json"
 
 
@@ -52,7 +54,6 @@ def cache_dir() -> pathlib.Path:
 def private_temporary_cache() -> pathlib.Path:
     """`<tmp>/marlhf_edu_cache-<uid>`, created 0700; refused when it exists and is not this user's alone (another
     user could otherwise plant a model in it that every later stage would load)."""
-    from marlhf_edu.stages.common import ConfigError
 
     path = pathlib.Path(tempfile.gettempdir()) / f"marlhf_edu_cache-{os.getuid()}"
     try:
@@ -181,7 +182,6 @@ def entries(root: pathlib.Path | None = None) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     import sys
 
-    from marlhf_edu.stages.common import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("list", "clean"):

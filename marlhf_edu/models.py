@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pathlib
 
+from marlhf_edu.errors import ConfigError
+
 ASSETS = pathlib.Path(__file__).resolve().parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 SFT_DIR = ASSETS / "tiny_sft"
@@ -78,7 +80,6 @@ def resolve_device(device: str = "auto") -> str:
     device that this machine does not have is refused here, before any model is read."""
     import torch
 
-    from marlhf_edu.stages.common import ConfigError
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,7 +102,6 @@ def loading_kwargs(device: str = "auto", dtype: str = "auto", load_in_4bit: bool
     import torch
 
     from marlhf_edu.quantization import nf4_loading_kwargs
-    from marlhf_edu.stages.common import ConfigError
 
     if dtype not in LOAD_DTYPES:
         raise ConfigError(f"--dtype must be one of {LOAD_DTYPES}, got {dtype!r}")

@@ -39,6 +39,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.model_cache import cache_at, cache_dir, file_sha256, publish  # noqa: F401 (cache_at, cache_dir: public here too)
 
 #: GGUF files shipped inside registry packages: name → (package, file).
@@ -68,7 +69,6 @@ class ModelSource:
         """Classify `ref`. `recorded=True` is for a base an adapter recorded: a bare `owner/name` that is no
         folder here is then a hub id (peft's own format), where in a config it is an error."""
         from marlhf_edu.models import ASSETS, SFT_DIR
-        from marlhf_edu.stages.common import ConfigError
 
         ref = str(ref)
         if ref.startswith(HUB_PREFIX):
@@ -105,7 +105,6 @@ class ModelSource:
 
     @classmethod
     def _local(cls, ref: str, path: pathlib.Path) -> "ModelSource":
-        from marlhf_edu.stages.common import ConfigError
 
         if (path / "adapter_config.json").exists():
             return cls("adapter", ref, str(path))
@@ -119,7 +118,6 @@ class ModelSource:
 def adapter_fits(adapter_dir, base):
     """Turn torch's wall of `size mismatch` lines (one per LoRA matrix: 49 for a reward adapter on a model of
     another width) into one error naming the adapter, the base and the first mismatch."""
-    from marlhf_edu.stages.common import ConfigError
 
     try:
         yield
@@ -136,7 +134,6 @@ def shipped_gguf_path(name: str) -> pathlib.Path:
     `__init__` imports the `llm` CLI and llama.cpp bindings, which the book does not install)."""
     import importlib.util
 
-    from marlhf_edu.stages.common import ConfigError
 
     package, file = SHIPPED_GGUF[name]
     spec = importlib.util.find_spec(package)
@@ -161,7 +158,6 @@ def require_adapter_folder(ref, key: str) -> None:
     """Refuse, naming `key`, an adapter reference that is not a local LoRA folder (no `adapter_config.json`), before
     anything loads: otherwise peft finds it after the models it goes on have loaded, or after training. A hub
     reference (`hf:owner/name`) is resolved when it loads and is not checked here."""
-    from marlhf_edu.stages.common import ConfigError
 
     if str(ref).startswith(HUB_PREFIX):
         return
@@ -174,7 +170,6 @@ def require_adapter_folder(ref, key: str) -> None:
 def adapter_base(adapter_dir) -> str:
     """The base an adapter records (`base_model_name_or_path`), as a model reference: a bare hub id that peft wrote
     (`meta-llama/Llama-2-7b-hf`, no such folder here) becomes `hf:meta-llama/Llama-2-7b-hf`."""
-    from marlhf_edu.stages.common import ConfigError
 
     path = pathlib.Path(adapter_dir) / "adapter_config.json"
     try:
@@ -287,7 +282,6 @@ def materialize_adapter(adapter_dir) -> pathlib.Path:
     covers the adapter's weights and its config, base included: two adapters with equal weights on different
     bases (an untrained LoRA's B is zero) must not share a merged model.
     """
-    from marlhf_edu.stages.common import ConfigError
 
     adapter_dir = pathlib.Path(adapter_dir)
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -336,7 +330,6 @@ def load_tokenizer(ref):
     """The tokenizer of any model reference, with pad ≠ EOS (see `choose_pad_token`) and a finite `model_max_length`."""
     from transformers import AutoTokenizer
 
-    from marlhf_edu.stages.common import ConfigError
 
     path = local_path(ref)
     # a directory with its own tokenizer (the toy tokenizer, an SFT adapter saved by trl) is read as is: no need

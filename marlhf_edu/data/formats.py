@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from marlhf_edu.data.template import DEFAULT_SYSTEM, BookTemplate, template_for
+from marlhf_edu.errors import BadRowError, DataFileError  # noqa: F401 (defined at the bottom of the package)
 
 #: Margins given to PKU-SafeRLHF pairs, by which rule chose the winner.
 #: Safety decides (exactly one response safe): the gap must be large.
@@ -30,17 +31,6 @@ from marlhf_edu.data.template import DEFAULT_SYSTEM, BookTemplate, template_for
 #: Two unsafe responses: the safer one wins, with no gap asked for.
 PKU_MARGINS = {"one_safe": 3.0, "both_safe": 1.0, "both_unsafe": 0.0}
 
-
-class DataFileError(ValueError):
-    """A data file that cannot be read as rows: missing, empty, or not JSON where it must be (file and line named)."""
-
-
-class BadRowError(ValueError):
-    """A row that cannot be converted; `row` is its 0-based index, `field` the offending key."""
-
-    def __init__(self, row: int, field: str, reason: str):
-        self.row, self.field, self.reason = row, field, reason
-        super().__init__(f"row {row}, field {field!r}: {reason}")
 
 
 @dataclass

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
+
 
 @dataclass
 class MemoryArguments:
@@ -29,7 +31,6 @@ def settings_and_shape(config, args: MemoryArguments):
     """The `(ModelShape, MemorySettings)` a PPO config and the planning options describe."""
     from marlhf_edu.memory.plan import MemorySettings, ModelShape, saved_lora_recipe
     from marlhf_edu.models import REWARD_ADAPTER_DIR
-    from marlhf_edu.stages.common import ConfigError
 
     shape = ModelShape.resolve(args.model_shape or config.sft_model_path)
     r, targets = args.reward_lora_r, list(args.reward_target_modules)

@@ -41,6 +41,8 @@ import math
 import pathlib
 from dataclasses import dataclass, field, replace
 
+from marlhf_edu.errors import ConfigError
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: Optimizer state bytes per byte of trainable parameter.
@@ -102,7 +104,6 @@ class ModelShape:
     def resolve(cls, name_or_path: str) -> "ModelShape":
         """A preset name ('llama-2-7b', 'tiny', a known hub id) or a directory / config.json on disk."""
         from marlhf_edu.models import SFT_DIR
-        from marlhf_edu.stages.common import ConfigError
 
         if name_or_path in ("zoo", "tiny"):
             name_or_path = str(SFT_DIR)
@@ -163,7 +164,6 @@ class MemorySettings:
     merged_reward: bool = False        # four-model: the reward LoRA merged into its own base (one head, no adapter)
 
     def validate(self) -> "MemorySettings":
-        from marlhf_edu.stages.common import ConfigError
 
         for name in ("weight_dtype", "adapter_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
@@ -416,7 +416,6 @@ def _update_activations(shape: ModelShape, s: MemorySettings, forwards) -> dict:
 def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     """Actor, critic (backbone + value head), reference and reward model (backbone + LoRA + score head, or with
     `merged_reward` backbone + head), each on its own copy of the base."""
-    from marlhf_edu.stages.common import ConfigError
 
     s.validate()
     if s.load_in_4bit and (s.policy_lora_r == 0 or s.value_lora_r == 0):
@@ -470,7 +469,6 @@ def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
 def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     """One base; `policy` LoRA (+ `value` LoRA in adapter mode) trainable, `reward` LoRA and score head frozen,
     the reference = the base with adapters disabled (no bytes of its own)."""
-    from marlhf_edu.stages.common import ConfigError
 
     s.validate()
     if s.policy_lora_r <= 0 or (s.value_mode == "adapter" and s.value_lora_r <= 0):
@@ -508,7 +506,6 @@ def plan_lora_ppo(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     The fair baseline for MA-PPO: it already shares the policy's base with the reference; MA-PPO's one
     further saving is the reward model's base.
     """
-    from marlhf_edu.stages.common import ConfigError
 
     s.validate()
     if s.policy_lora_r <= 0:
@@ -539,7 +536,6 @@ def plan_grpo_lora(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     and the frozen `reward` LoRA and score head on the same base (as MA-PPO holds them). No critic: MA-PPO in
     adapter mode less the value adapter, its head, their gradients and optimizer state and the value forward.
     `forward_batch_size` counts answers (prompts x group size). Taught in chapter 12."""
-    from marlhf_edu.stages.common import ConfigError
 
     s.validate()
     if s.policy_lora_r <= 0:
@@ -565,7 +561,6 @@ def plan_dpo_lora(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     """DPO with a LoRA: one base with the trainable `policy` LoRA, the reference = the base with the adapter
     disabled; no reward model and no sampling (no KV cache). A micro-batch of `micro_batch_size` rows is half
     chosen, half rejected answers, of `prompt_length + response_length` tokens. Taught in chapter 12."""
-    from marlhf_edu.stages.common import ConfigError
 
     s.validate()
     if s.policy_lora_r <= 0:

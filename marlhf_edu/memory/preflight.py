@@ -26,6 +26,7 @@ import json
 import pathlib
 from dataclasses import dataclass, field, replace
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.memory.command import MemoryArguments
 
 
@@ -59,7 +60,6 @@ def readable_checkpoint(ref, depth: int = 0) -> pathlib.Path | None:
     read here without building anything: a local model folder, an adapter's recorded base (followed), or a hub
     model already in the local hub cache. None otherwise (not written or downloaded yet, a GGUF file)."""
     from marlhf_edu.sources import ModelSource, adapter_base
-    from marlhf_edu.stages.common import ConfigError
 
     try:
         source = ModelSource.parse(ref)
@@ -83,7 +83,6 @@ def checkpoint_problems(ref, shape) -> tuple[list[str], str]:
     against itself), a pad token distinct from EOS, and embedding rows for every token id of the tokenizer."""
     from marlhf_edu.memory.plan import ModelShape
     from marlhf_edu.sources import load_tokenizer
-    from marlhf_edu.stages.common import ConfigError
 
     folder = readable_checkpoint(ref)
     if folder is None or not (folder / "config.json").exists():
@@ -109,7 +108,6 @@ def gpu_memory_bytes(args: PreflightArguments) -> tuple[int, str]:
     """`(bytes, where the number comes from)` of one GPU."""
     import torch
 
-    from marlhf_edu.stages.common import ConfigError
 
     if args.gpu_memory_gib > 0:
         return int(args.gpu_memory_gib * 2**30), "--gpu_memory_gib"
@@ -123,7 +121,6 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>") -
     """The checks above; returns what it printed as numbers (`plan`, `gpu_bytes`, `fits`, `tokens_per_step`, ...)."""
     from marlhf_edu.memory.command import settings_and_shape
     from marlhf_edu.memory.plan import _fmt, multi_adapter_settings, plan_four_model, plan_multi_adapter
-    from marlhf_edu.stages.common import ConfigError
 
     if args.command not in ("ma-ppo", "ppo"):
         raise ConfigError(f"--command must be 'ma-ppo' or 'ppo', got {args.command!r}")

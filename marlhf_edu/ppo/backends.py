@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from marlhf_edu.checkpointing import checkpointed, enable_checkpointing
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.scoring import position_ids_from_mask, sequence_scores
 
@@ -223,7 +224,6 @@ class quiet_loading:
 
 
 def _check_tokenizer(tokenizer):
-    from marlhf_edu.stages.common import ConfigError
 
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise ConfigError("the tokenizer's pad token must exist and differ from EOS: with pad = EOS the response mask "
@@ -235,7 +235,6 @@ def check_same_vocabulary(tokenizer, reward_tokenizer, reward=None, policy=None)
     vocabulary, and its embedding rows must cover every id the policy can emit. A scorer fed ids from another
     vocabulary returns numbers, not an error (`marlhf-edu evaluate` once scored toy ids with SmolLM2's reward
     model), so this runs before any model is asked anything."""
-    from marlhf_edu.stages.common import ConfigError
 
     if reward_tokenizer is not None and reward_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"the reward model's tokenizer ({len(reward_tokenizer)} tokens) differs from the policy's "
@@ -271,7 +270,6 @@ class FourModelBackend(PPOBackend):
     """
 
     def __init__(self, actor, critic: ValueModel | nn.Linear, reference, reward, tokenizer, reward_tokenizer=None):
-        from marlhf_edu.stages.common import ConfigError
 
         _check_tokenizer(tokenizer)
         self.shared_head = isinstance(critic, nn.Linear)
@@ -352,7 +350,6 @@ class FourModelBackend(PPOBackend):
         return self.actor
 
     def lora_policy(self):
-        from marlhf_edu.stages.common import ConfigError
 
         if not hasattr(self.actor, "peft_config"):
             raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor "

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.kl import KL_KINDS
 from marlhf_edu.ppo_objective import LOSS_AGGREGATIONS
 from marlhf_edu.scoring import TRUNCATED_SCORING
-from marlhf_edu.stages.common import ConfigError
 
 #: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
 TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")

@@ -34,6 +34,7 @@ from torch import nn
 from marlhf_edu.ppo.backends import (PPOBackend, _check_tokenizer, quiet_loading, response_logprobs, response_values,
                                      sample, value_head)
 from marlhf_edu.checkpointing import enable_checkpointing
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.masked import last_valid_index
 from marlhf_edu.quantization import keep_nf4_trainable, nf4_loading_kwargs  # noqa: F401 (public here too)
 from marlhf_edu.scoring import position_ids_from_mask
@@ -80,7 +81,6 @@ def check_reward_adapter_base(adapter_dir, base_in_use) -> None:
     answer, so a run with the wrong base trains to the end on noise. Setting `reward_base_path` to the base in
     use says that the adapter belongs to it under another name (a folder moved since), and skips this check."""
     from marlhf_edu.sources import adapter_base
-    from marlhf_edu.stages.common import ConfigError
 
     from marlhf_edu.sources import require_adapter_folder
 
@@ -101,7 +101,6 @@ class MultiAdapterBackend(PPOBackend):
         from peft import LoraConfig, get_peft_model
 
         from marlhf_edu.sources import adapter_fits
-        from marlhf_edu.stages.common import ConfigError
 
         _check_tokenizer(tokenizer)
         if value_mode not in VALUE_MODES:
@@ -145,7 +144,6 @@ class MultiAdapterBackend(PPOBackend):
 
         from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
 
-        from marlhf_edu.stages.common import ConfigError
 
         from marlhf_edu.sources import align_pad, local_path, resolve_model
 

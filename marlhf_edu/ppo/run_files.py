@@ -16,8 +16,8 @@ import pickle
 
 import torch
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.model_cache import file_sha256 as sha256_of  # one streaming sha256 for checkpoints and the cache
-from marlhf_edu.stages.common import ConfigError
 
 
 def fsync_path(path: pathlib.Path) -> None:

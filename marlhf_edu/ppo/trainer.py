@@ -46,9 +46,9 @@ from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
                                       seal_checkpoint)
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.ppo_objective import ppo_loss
 from marlhf_edu.scoring import append_missing_eos, penalise_missing_eos, score_texts_with
-from marlhf_edu.stages.common import ConfigError
 
 #: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
 #: no-grad policy/critic forward, the reference forward, and the PPO update.

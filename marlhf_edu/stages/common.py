@@ -7,6 +7,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError  # noqa: F401 (defined at the bottom of the package; public here too)
+
 
 @dataclass
 class DataArguments:
@@ -23,10 +25,6 @@ class DataArguments:
     overwrite_output: bool = field(default=False, metadata={"help": "replace a finished run already in output_dir "
                                                                     "(without it the stage refuses, before loading "
                                                                     "anything)"})
-
-
-class ConfigError(ValueError):
-    """A configuration problem reported before any work starts."""
 
 
 def parse_stage_args(dataclass_types, argv: list[str] | None):

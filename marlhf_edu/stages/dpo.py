@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.stages.common import DataArguments
 
 
@@ -53,7 +54,6 @@ def lora_policy_config(model_args, stage: str):
     """trl's peft config of the run, which must be a causal-LM LoRA: its disabled adapter is the reference."""
     from trl import get_peft_config
 
-    from marlhf_edu.stages.common import ConfigError
 
     peft_config = get_peft_config(model_args)
     if peft_config is None:

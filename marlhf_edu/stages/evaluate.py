@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
+
 JUDGES = ("auto", "toy", "keyword")
 
 
@@ -46,7 +48,6 @@ def reward_base_of(adapter_dir) -> str:
     import pathlib
 
     from marlhf_edu.sources import adapter_base
-    from marlhf_edu.stages.common import ConfigError
 
     if not (pathlib.Path(adapter_dir) / "adapter_config.json").exists():
         raise ConfigError(f"{adapter_dir}: no adapter_config.json naming its base; pass --reward_base")
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     from marlhf_edu.ppo import ScoredPolicy
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.sources import local_path, require_adapter_folder
-    from marlhf_edu.stages.common import ConfigError, parse_stage_args
+    from marlhf_edu.stages.common import parse_stage_args
     from marlhf_edu.stages.ppo import judge_policy
 
     (args,) = parse_stage_args((EvaluateArguments,), argv)

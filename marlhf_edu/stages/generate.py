@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
+
 
 @dataclass
 class GenerateArguments:
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     from marlhf_edu.data.template import template_for
     from marlhf_edu.generation import generate_responses
     from marlhf_edu.models import load_sft_model, loading_kwargs
-    from marlhf_edu.stages.common import ConfigError, parse_stage_args
+    from marlhf_edu.stages.common import parse_stage_args
 
     (args,) = parse_stage_args((GenerateArguments,), argv)
     if not args.prompt:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.stages.common import DataArguments
 from marlhf_edu.stages.dpo import PolicyEvalArguments
 
@@ -85,7 +86,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.sources import require_adapter_folder
-    from marlhf_edu.stages.common import ConfigError, check_output_dir, resolve_zoo
+    from marlhf_edu.stages.common import check_output_dir, resolve_zoo
     from marlhf_edu.stages.dpo import evaluate_after, load_policy, lora_policy_config
     from marlhf_edu.stages.ppo import load_prompts
 

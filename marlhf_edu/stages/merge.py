@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
+
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -57,7 +59,6 @@ def merge(args: MergeArguments) -> dict:
     from marlhf_edu.models import loading_kwargs, resolve_device
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.sources import adapter_base, adapter_fits, align_pad, load_tokenizer, resolve_model
-    from marlhf_edu.stages.common import ConfigError
 
     if not args.adapter or not args.output_dir:
         raise ConfigError("merge needs --adapter and --output_dir")

@@ -34,6 +34,8 @@ import pathlib
 import sys
 import time
 
+from marlhf_edu.errors import ConfigError
+
 #: stage name → (module with `main(argv)`, the kind of config it parses: `_config_types`)
 STAGES = {
     "sft": ("marlhf_edu.stages.sft", "sft"),
@@ -65,7 +67,6 @@ def _config_types(kind: str):
 
 
 def _as_argv(overrides: dict) -> list[str]:
-    from marlhf_edu.stages.common import ConfigError
 
     argv = []
     for key, value in overrides.items():
@@ -82,7 +83,6 @@ def _as_argv(overrides: dict) -> list[str]:
 
 def split_cli(argv: list[str], names) -> tuple[dict[str, list[str]], list[str]]:
     """`--STAGE.KEY V...` → {STAGE: ["--KEY", "V", ...]}; the rest is returned for the pipeline's own options."""
-    from marlhf_edu.stages.common import ConfigError
 
     per_stage, rest, current = {}, [], None
     for token in argv:
@@ -130,7 +130,6 @@ def load_pipeline(path: str, cli: list[str]) -> tuple[list[Stage], list[str]]:
     command-line options."""
     import yaml
 
-    from marlhf_edu.stages.common import ConfigError
 
     if not os.path.exists(path):
         raise ConfigError(f"pipeline file not found: {path}")
@@ -216,7 +215,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
     import importlib
 
     from marlhf_edu.sources import resolve_model
-    from marlhf_edu.stages.common import ConfigError, unwritable_folder
+    from marlhf_edu.stages.common import unwritable_folder
 
     for name in only or []:
         if name not in {s.name for s in stages}:
@@ -303,7 +302,6 @@ def release_memory() -> None:
 
 
 def main(argv: list[str] | None = None):
-    from marlhf_edu.stages.common import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in argv or argv.index("--config") + 1 >= len(argv):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+from marlhf_edu.errors import ConfigError
+
 
 def load_prompts(config, tokenizer=None) -> list[str]:
     """Rendered prompts: the toy world's training prompts, or a dataset's.
@@ -27,7 +29,6 @@ def load_prompts(config, tokenizer=None) -> list[str]:
     make up that share of the whole; the trainer's per-epoch permutation mixes them in (chapter 13).
     """
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.stages.common import ConfigError
 
     if config.dataset_name == "toy":
         from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
@@ -186,7 +187,6 @@ def check_before_loading(config, backend_factory=None) -> tuple[list[str], objec
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
     from marlhf_edu.ppo.trainer import check_prompt_lengths
     from marlhf_edu.sources import require_adapter_folder
-    from marlhf_edu.stages.common import ConfigError
 
     if config.report_to not in ("none", "", None):
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.stages.common import DataArguments
 
 
@@ -55,7 +56,6 @@ def load_preference_data(script_args, tokenizer=None, split: str | None = None):
 def check_lengths(dataset, tokenizer, max_length: int | None):
     """trl drops preference pairs longer than `max_length`, and cuts SFT rows (and their EOS) to it, without a
     word; we refuse to, and say which rows."""
-    from marlhf_edu.stages.common import ConfigError
 
     if max_length is None:
         return
@@ -159,7 +159,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
 
     from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype
     from marlhf_edu.sources import align_pad, resolve_model
-    from marlhf_edu.stages.common import (ConfigError, check_output_dir, quantization_and_device_map, record_base,
+    from marlhf_edu.stages.common import (check_output_dir, quantization_and_device_map, record_base,
                                          select_rows, torch_dtype)
 
     check_output_dir("rm", script_args, training_args)  # before anything loads
