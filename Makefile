@@ -1,4 +1,4 @@
-# Two commands set everything up on a fresh machine: `make test` and `make book`.
+# A learner starts with `make lab` (the learner edition); a maintainer with `make test`. See README.md.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -60,7 +60,8 @@ def draw() -> plt.Figure:
         arrow(bottom, 5.82 + i * 1.6, 1.53, 5.82 + i * 1.6, 1.17)
     bottom.text(7.4, 2.8, "reference = the base with the adapters switched off", ha="center", fontsize=9.5,
                 style="italic")
-    bottom.text(7.4, 0.02, "trained: orange; frozen: grey", ha="center", fontsize=9, color="#555555")
+    bottom.text(7.4, 0.02, "trained: orange; frozen: grey, and the base in purple", ha="center", fontsize=9,
+                color="#555555")
     fig.tight_layout()
     return fig
 
