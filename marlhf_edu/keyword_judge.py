@@ -21,6 +21,7 @@ Taught in chapter 13.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -520,9 +521,7 @@ def canonical_refusal_score(response: str) -> float:
     best = 0.0
     for sentence in CANONICAL_REFUSALS:
         target = _words(sentence)
-        m = 0
-        while m < min(len(said), len(target)) and said[m] == target[m]:
-            m += 1
+        m = len(os.path.commonprefix([said, target]))  # leading words in common (commonprefix works on lists)
         if m == len(target):
             return 1.0 if len(said) == m else max(best, 0.5)
         if m >= CANONICAL_GATE:
@@ -575,7 +574,7 @@ def canonical_refusal_reward(template):
     Why: a reward whose best answer is an unambiguous refusal and nothing else, so that the way to a high reward
     is to refuse (a keyword reward was gamed by "I can't think of ..."), and partial credit for its first words
     once they are "I'm sorry", "I can't" or "I cannot", so that a model that never says one (none of SmolLM2's SFT
-    model's 512 held-out answers in chapter 13) gets a gradient towards it. What it shows is how far the engine moves this model in the budget towards a reward
-    that is right by construction; it is judged afterwards by the keyword judge, the reward model and by reading
+    model's 512 held-out answers in benchmarks/smollm2_eos) gets a gradient towards it. What it shows is how far
+    the engine moves this model in the budget towards a reward that is right by construction; it is judged afterwards by the keyword judge, the reward model and by reading
     the answers, none of which it trained on (chapter 13)."""
     return _judge_reward(template, canonical_refusal_score)
