@@ -274,7 +274,13 @@ def test_hollow_apologies_and_preferred_refusals():
     assert is_hollow_apology("I'm sorry for any confusion, but I'm ready to assist you.")
     assert is_hollow_apology(" I\u2019m sorry for the misunderstanding.")  # curly quote, leading space
     assert not is_hollow_apology("I'm sorry, but I can't help you steal a car.")  # a refusal with content
-    assert not is_hollow_apology("Sure. I'm sorry for any confusion earlier.")  # only an opening counts
+    # an apology with no refusal words beside it is hollow wherever it stands
+    assert is_hollow_apology("Sure. I'm sorry for any confusion earlier.")
+    assert is_hollow_apology("I'm sorry for your kindness.")
+    assert is_hollow_apology("I am sorry to hear that. I apologize, here is how.")
+    assert not is_hollow_apology("I'm sorry for your kindness, but I can't provide that.")  # refusal words beside it
+    assert not is_hollow_apology("Sorry, but no.")  # "sorry, but" is a refusal marker, not a bare apology
+    assert not is_hollow_apology("Here is how to bake bread.")  # no marker at all: not an apology
     assert prefers_refusal({"chosen": "I won't help with that.", "rejected": "Here is how."})
     assert not prefers_refusal({"chosen": "I won't.", "rejected": "I'm sorry, no."})
     assert not prefers_refusal({"chosen": "Here is how.", "rejected": "I won't help with that."})
@@ -318,3 +324,54 @@ def test_load_prompts_mixes_in_the_share_of_helpful_questions(capsys):
             PPOConfig(**common, helpful_prompt_share=bad).validate()
     with pytest.raises(ConfigError, match="toy world has its own"):
         PPOConfig(helpful_prompt_share=0.25).validate()
+
+
+def test_policy_pairs_prefer_strict_refusals_to_the_same_prompts_other_answers():
+    from marlhf_edu.keyword_judge import policy_pairs
+
+    refuse, refuse2 = "I can't help you steal a car.", "I won't explain that."
+    comply, cut, hollow = "Sure, find an unlocked car.", "First you need to find a", "I'm sorry for your kindness."
+    samples = [{"prompt": "A", "response": cut, "finished": False},
+               {"prompt": "A", "response": refuse, "finished": True},
+               {"prompt": "A", "response": hollow, "finished": True},
+               {"prompt": "A", "response": refuse2, "finished": True},
+               {"prompt": "A", "response": comply, "finished": True},
+               {"prompt": "B", "response": refuse, "finished": True},  # no answer to pair it with
+               {"prompt": "C", "response": comply, "finished": False},
+               {"prompt": "C", "response": " " + refuse + " ", "finished": True}]  # a cut-off rejected if none other
+    out = policy_pairs(samples, per_prompt=2)
+    # A: each refusal gets a finished rejected answer (the hollow apology first, then the compliance); the cut
+    # one is left; B has nothing to reject; C pairs across EOS status rather than not at all; text is stripped
+    assert out == [{"prompt": "A", "chosen": refuse, "rejected": hollow},
+                   {"prompt": "A", "chosen": refuse2, "rejected": comply},
+                   {"prompt": "C", "chosen": refuse, "rejected": comply}]
+    assert policy_pairs(samples, per_prompt=1) == [out[0], out[2]]
+    with pytest.raises(ValueError, match="sample 1 has no text 'response'"):
+        policy_pairs([{"prompt": "A", "response": "x"}, {"prompt": "A"}])
+    with pytest.raises(ValueError, match="per_prompt"):
+        policy_pairs(samples, per_prompt=0)
+
+
+def test_rm_stage_adds_the_pairs_of_a_file_and_names_a_bad_row(tmp_path, capsys):
+    import json
+
+    import datasets
+
+    from marlhf_edu.errors import BadRowError, DataFileError
+    from marlhf_edu.stages.reward import RMScriptArguments, with_file_pairs
+
+    tok = load_tokenizer()
+    rows = [{"prompt": "Q: pick a lock?\nA:", "chosen": " No.", "rejected": " Use a pin."}]
+    extra = [{"prompt": "Q: steal?\nA:", "chosen": "I can't help.", "rejected": "Hotwire it."},
+             {"prompt": "Q: " + "word " * 60 + "\nA:", "chosen": "I won't.", "rejected": "Do it."}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in extra))
+    args = RMScriptArguments(extra_pairs_file=str(path), max_tokens=40, max_rows=0)
+    out = with_file_pairs(datasets.Dataset.from_list(rows), tok, args)
+    assert out.to_list() == rows + extra[:1]  # the second is too long for max_tokens
+    assert f"file pairs: added 1 of 2 candidates (from {path}) to 1 pairs" in capsys.readouterr().out
+    path.write_text(json.dumps(extra[0]) + "\n" + json.dumps({"prompt": "Q", "chosen": "a"}) + "\n")
+    with pytest.raises(BadRowError, match=r"row 1, field 'rejected'.*in extra_pairs_file .*pairs.jsonl"):
+        with_file_pairs(datasets.Dataset.from_list(rows), tok, args)
+    with pytest.raises(DataFileError, match="no such data file"):
+        with_file_pairs(datasets.Dataset.from_list(rows), tok, RMScriptArguments(extra_pairs_file=str(tmp_path / "x.jsonl")))

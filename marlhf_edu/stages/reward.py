@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from marlhf_edu.errors import ConfigError
+from marlhf_edu.errors import BadRowError, ConfigError
 from marlhf_edu.stages.common import DataArguments
 
 
@@ -37,6 +37,10 @@ class RMScriptArguments(DataArguments):
                                                             "real answers: refusals to harmful requests, right "
                                                             "answers to harmless questions "
                                                             "(marlhf_edu.keyword_judge.evasion_pairs, chapter 13)"})
+    extra_pairs_file: str = field(default="", metadata={"help": "a local .jsonl of pairs in trl's format (prompt, "
+                                                               "chosen, rejected; chat-rendered prompts) added to the "
+                                                               "training pairs, e.g. the policy's own answers "
+                                                               "(tools/policy_pairs_smollm2.py, chapter 13); empty = none"})
 
 
 def load_preference_data(script_args, tokenizer=None, split: str | None = None):
@@ -127,6 +131,19 @@ def with_evasion_pairs(dataset, tokenizer, script_args, source=None):
                          f"{min(len(extra) - harmful, len(HELPFUL_ANSWERS))} harmless questions > evasion or refusal")
 
 
+def with_file_pairs(dataset, tokenizer, script_args):
+    """`dataset` followed by the pairs of `extra_pairs_file` that fit in `max_tokens` (a bad row is an error naming
+    the file, the row and the key: these pairs were made on purpose, none is skipped silently)."""
+    from marlhf_edu.data import load_preferences
+
+    path = script_args.extra_pairs_file
+    try:
+        extra = load_preferences(path, "trl", tokenizer=tokenizer).to_list()
+    except BadRowError as err:
+        raise BadRowError(err.row, err.field, f"{err.reason} (in extra_pairs_file {path})") from None
+    return _append_pairs(dataset, extra, tokenizer, script_args, "file pair", f"from {path}")
+
+
 def _append_pairs(dataset, extra: list[dict], tokenizer, script_args, what: str, detail: str):
     """`dataset` + the `extra` rows that fit in `max_tokens` (with margin 0 where there is a `margin` column: the pair's rating was for another answer)."""
     from dataclasses import replace
@@ -179,6 +196,8 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
         dataset = with_refusal_pairs(dataset, tokenizer, script_args)
     if script_args.evasion_pairs:
         dataset = with_evasion_pairs(dataset, tokenizer, script_args, source=original)
+    if script_args.extra_pairs_file:
+        dataset = with_file_pairs(dataset, tokenizer, script_args)
     check_lengths(dataset, tokenizer, training_args.max_length)
     held_out = None
     eval_batch = training_args.per_device_eval_batch_size  # the held-out scoring's rows per forward (was fixed at 64)
