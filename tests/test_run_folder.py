@@ -41,6 +41,20 @@ def test_a_repeated_launch_is_refused_before_loading_or_writing_anything(finishe
     assert _snapshot(finished_run) == before  # the "after" answers and eval.json untouched
 
 
+def test_a_repeated_launch_is_refused_before_the_tokenizer_or_the_prompts_are_read(finished_run, monkeypatch):
+    # resolving the policy's tokenizer can convert a GGUF file (SmolLM2: about 30 s and 517 MB): not for a run
+    # that will be refused anyway
+    import marlhf_edu.models
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("the tokenizer was loaded before the run folder was checked")
+
+    monkeypatch.setattr(marlhf_edu.models, "load_tokenizer", no_tokenizer)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        ppo_main([*TINY, "--total_steps", "2", "--output_dir", str(finished_run)], backend_factory=never_loaded,
+                 progress=False)
+
+
 def test_resume_refuses_changed_settings_naming_each(finished_run):
     before = _snapshot(finished_run)
     with pytest.raises(ConfigError) as err:

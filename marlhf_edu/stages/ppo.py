@@ -231,6 +231,8 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     from marlhf_edu.ppo.run_files import RunLock, check_run_folder
 
     config.validate()
+    if not config.resume:  # a folder that holds a run is refused before the checks below read anything: resolving
+        check_run_folder(config)  # the tokenizer can convert a GGUF model (checked again under the lock)
     prompts, judge = check_before_loading(config, backend_factory)
     with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
         checked = check_run_folder(config)
