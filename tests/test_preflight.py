@@ -29,6 +29,15 @@ def test_7b_recipe_fits_a_24_gb_gpu_and_prints_its_launch(capsys):
     assert "about 5 s a step" in text and "1.4 h for the run" in text  # 5120 tokens / 1000 per s, 1000 steps
 
 
+def test_the_launch_line_repeats_the_run_settings_given_beside_the_config(capsys):
+    # the plan used --micro_batch_size 2 and --max_new_tokens 128: the printed launch must run that, not the file's
+    main(SEVEN_B + ["--gpu_memory_gib", "80", "--micro_batch_size", "2", "--max_new_tokens=128", "--output_dir",
+                    "runs/my run"])
+    launch = [line for line in capsys.readouterr().out.splitlines() if line.startswith("launch:")]
+    assert launch == ["launch: marlhf-edu ma-ppo --config configs/llama2_7b/ma_ppo.yaml --micro_batch_size 2 "
+                      "--max_new_tokens=128 --output_dir 'runs/my run'"]  # preflight's own options are not repeated
+
+
 def test_too_small_a_gpu_fails_naming_the_largest_parts(capsys):
     with pytest.raises(ConfigError, match=r"exceeds .* usable on one GPU; the largest parts: weights"):
         main(SEVEN_B + ["--gpu_memory_gib", "6"])

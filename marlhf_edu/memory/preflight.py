@@ -117,7 +117,23 @@ def gpu_memory_bytes(args: PreflightArguments) -> tuple[int, str]:
     raise ConfigError("no GPU is visible here: pass --gpu_memory_gib (for example 24 or 80) to check against one")
 
 
-def preflight(config, args: PreflightArguments, config_path: str = "<config>") -> dict:
+def run_overrides(argv: list[str], config_class) -> list[str]:
+    """The options of `argv` that set a field of `config_class` (`--name value ...` or `--name=value`, values up to
+    the next option), quoted for a shell: what the launch line must repeat so that the run is the one planned."""
+    import dataclasses
+    import shlex
+
+    names = {f.name for f in dataclasses.fields(config_class)} - {"config"}
+    out, keep = [], False
+    for token in argv:
+        if token.startswith("--"):
+            keep = token[2:].split("=", 1)[0] in names
+        if keep:
+            out.append(shlex.quote(token))
+    return out
+
+
+def preflight(config, args: PreflightArguments, config_path: str = "<config>", overrides: list[str] = ()) -> dict:
     """The checks above; returns what it printed as numbers (`plan`, `gpu_bytes`, `fits`, `tokens_per_step`, ...)."""
     from marlhf_edu.memory.command import settings_and_shape
     from marlhf_edu.memory.plan import _fmt, multi_adapter_settings, plan_four_model, plan_multi_adapter
@@ -170,11 +186,12 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>") -
                           + ", ".join(f"{k} {_fmt(v)}" for k, v in largest) + ". Lower micro_batch_size or "
                           "forward_batch_size, " + ("" if s.gradient_checkpointing else "turn on gradient_checkpointing, ")
                           + "shorten max_new_tokens, or use a GPU with more memory")
+    extra = "".join(" " + o for o in overrides)  # the settings given here beside the config: the run planned
     if args.num_gpus == 1:
-        print(f"launch: marlhf-edu {args.command} --config {config_path}")
+        print(f"launch: marlhf-edu {args.command} --config {config_path}{extra}")
     else:
         print(f"launch: accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml --num_processes "
-              f"{args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}")
+              f"{args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}{extra}")
     return {"plan": plan, "gpu_bytes": gpu, "fits": fits, "tokens_per_step": tokens, "meta_params": n_meta}
 
 
@@ -185,4 +202,4 @@ def main(argv: list[str] | None = None):
     config, args = parse_stage_args((PPOConfig, PreflightArguments), argv)
     config.validate()
     path = argv[argv.index("--config") + 1] if argv and "--config" in argv else "<config>"
-    return preflight(config, args, path)
+    return preflight(config, args, path, run_overrides(argv or [], PPOConfig))
