@@ -236,3 +236,63 @@ def test_an_evaluation_the_keyword_judge_cannot_give_is_refused_before_loading(t
              "--dataset_format", "hh-rlhf", "--max_prompt_length", "64", "--drop_long_prompts", "true",
              "--skip_bad_rows", "true"])
     assert not (tmp_path / "run").exists()
+
+
+
+@pytest.fixture(scope="module")
+def bad_reward_adapters(tmp_path_factory):
+    """The shipped reward adapter copied twice: without its score head, and with a head one size too wide;
+    `(name, folder, message expected)`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR
+
+    hidden = json.loads((SFT_DIR / "config.json").read_text())["hidden_size"]
+    state = load_file(str(REWARD_ADAPTER_DIR / "adapter_model.safetensors"))
+    (score,) = [k for k in state if ".score." in k or k.split(".")[-2] == "score"]
+    assert tuple(state[score].shape) == (1, hidden)  # the shipped adapter passes the check (as every PPO test shows)
+    out = []
+    for name, change, message in [
+            ("no_head", lambda s: s.pop(score), r"expected one score-head weight in the adapter .* found \[\]"),
+            ("wide_head", lambda s: s.__setitem__(score, state[score].new_zeros(1, hidden + 8)),
+             rf"score head has shape \(1, {hidden + 8}\), expected \(1, {hidden}\) \(the width of "),
+    ]:
+        adapter = tmp_path_factory.mktemp("adapters") / name
+        shutil.copytree(REWARD_ADAPTER_DIR, adapter)
+        changed = dict(state)
+        change(changed)
+        save_file(changed, str(adapter / "adapter_model.safetensors"))
+        out.append((name, adapter, message))
+    return out
+
+
+@pytest.mark.parametrize("multi_adapter", [False, True])
+def test_a_reward_adapter_without_a_fitting_score_head_is_refused_before_loading(tmp_path, no_loading, multi_adapter,
+                                                                                bad_reward_adapters):
+    """A causal-LM adapter given as the reward model, or a score head of another width, is found from the
+    safetensors header before anything loads (it used to be found by `load_score_head`, after loading)."""
+    for name, adapter, message in bad_reward_adapters:
+        with pytest.raises(ConfigError, match="reward_adapter_path: .*" + message):
+            ppo([*TINY_PPO, "--output_dir", str(tmp_path / f"run_{name}"), "--reward_adapter_path", str(adapter)],
+                multi_adapter=multi_adapter)
+        assert not (tmp_path / f"run_{name}").exists()
+
+
+def test_every_stage_that_scores_with_a_reward_adapter_checks_its_head_before_loading(tmp_path, no_loading,
+                                                                                      bad_reward_adapters):
+    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.stages import dpo, evaluate, grpo
+
+    # the copies record their base relative to where they were written ("../tiny_sft"): the base is named
+    for name, adapter, message in bad_reward_adapters:
+        with pytest.raises(ConfigError, match="reward_adapter_path: .*" + message):
+            grpo.main(["--config", "configs/tiny_grpo.yaml", "--output_dir", str(tmp_path / f"grpo_{name}"),
+                       "--reward_adapter_path", str(adapter)])
+        with pytest.raises(ConfigError, match="reward_adapter_path: .*" + message):
+            dpo.main(["--config", "configs/tiny_dpo.yaml", "--output_dir", str(tmp_path / f"dpo_{name}"),
+                      "--reward_adapter_path", str(adapter)])
+        with pytest.raises(ConfigError, match="--reward_adapter: .*" + message):
+            evaluate.main(["--model", "zoo", "--reward_adapter", str(adapter), "--reward_base", str(SFT_DIR)])

@@ -152,3 +152,27 @@ def test_a_parquet_file_is_read_without_the_datasets_cache(tmp_path, monkeypatch
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(DataFileError, match="bad.parquet: not a readable Parquet file"):
         read_rows(str(tmp_path / "bad.parquet"), "train")
+
+
+def test_a_hub_dataset_that_cannot_be_reached_is_a_data_error_naming_what_the_name_could_be(monkeypatch, capsys,
+                                                                                             tmp_path):
+    """Issue 37: an unreachable or unknown hub dataset used to end in datasets' own traceback."""
+    import datasets
+
+    from marlhf_edu import cli
+    from marlhf_edu.data.formats import DataFileError, read_rows
+
+    def unreachable(path, split=None, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)\nmore lines")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    with pytest.raises(DataFileError, match=r"dataset 'someone/prefs' \(split 'train'\) could not be read: it is not a "
+                                            r"shipped dataset \(hh-rlhf-harmless-base\), not a local .* "
+                                            r"\(ConnectionError: Couldn't reach 'someone/prefs' on the Hub "
+                                            r"\(OfflineModeIsEnabled\)\)\. Give a local file"):
+        read_rows("someone/prefs", "train")
+    # from the command line: one line, rc 2, no traceback
+    assert cli.main(["rm", "--config", "configs/tiny_rm.yaml", "--model_name_or_path", "zoo",
+                     "--dataset_name", "someone/prefs", "--output_dir", str(tmp_path / "rm")]) == 2
+    err = capsys.readouterr().err
+    assert "could not be read" in err and "Traceback" not in err

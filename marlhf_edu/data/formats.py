@@ -266,7 +266,14 @@ def read_rows(source: Any, split: str) -> Iterable[dict]:
             return pyarrow.parquet.read_table(path).to_pylist()
         except Exception as error:  # pyarrow's own errors name neither the file nor what to do
             raise DataFileError(f"{path}: not a readable Parquet file ({error})") from None
-    return datasets.load_dataset(path, split=split)
+    try:
+        return datasets.load_dataset(path, split=split)
+    except Exception as error:  # offline, unknown, private or without that split: datasets' own traceback
+        raise DataFileError(  # names neither the key nor what else the name could have been
+            f"dataset {path!r} (split {split!r}) could not be read: it is not a shipped dataset "
+            f"({', '.join(sorted(SHIPPED_DATASETS))}), not a local .jsonl/.json/.parquet file, and the hub did not give "
+            f"it here ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). Give a local "
+            "file, or download the dataset where the hub is reachable") from None
 
 
 def read_json_rows(path: str) -> list[dict]:

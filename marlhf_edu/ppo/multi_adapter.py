@@ -26,6 +26,7 @@ Taught in chapter 10.
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
 
 import torch
@@ -44,18 +45,24 @@ VALUE_MODES = ("shared", "adapter")
 DEFAULT_ADAPTER_RANK = 16
 
 
+def _score_head_key(adapter_dir, keys, hidden_size: int | None, shape_of) -> str:
+    """The one score-head weight among the adapter file's `keys`, checked to be (1, hidden_size)."""
+    found = [k for k in keys if k.split(".")[-2] == "score" or ".score." in k]
+    if len(found) != 1:
+        raise ValueError(f"{adapter_dir}: expected one score-head weight in the adapter (modules_to_save: [score]), "
+                         f"found {found}")
+    shape = tuple(shape_of(found[0]))
+    if hidden_size is not None and shape != (1, hidden_size):
+        raise ValueError(f"{adapter_dir}: score head has shape {shape}, expected (1, {hidden_size})")
+    return found[0]
+
+
 def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
     """The reward adapter's score head (hidden → 1), read from its safetensors file and frozen."""
     from safetensors.torch import load_file
 
     state = load_file(str(pathlib.Path(adapter_dir) / "adapter_model.safetensors"))
-    keys = [k for k in state if k.split(".")[-2] == "score" or ".score." in k]
-    if len(keys) != 1:
-        raise ValueError(f"{adapter_dir}: expected one score-head weight in the adapter (modules_to_save: [score]), "
-                         f"found {keys}")
-    weight = state[keys[0]]
-    if tuple(weight.shape) != (1, hidden_size):
-        raise ValueError(f"{adapter_dir}: score head has shape {tuple(weight.shape)}, expected (1, {hidden_size})")
+    weight = state[_score_head_key(adapter_dir, state, hidden_size, lambda k: state[k].shape)]
     head = nn.Linear(hidden_size, 1, bias=False)
     with torch.no_grad():
         head.weight.copy_(weight)
@@ -91,6 +98,36 @@ def check_reward_adapter_base(adapter_dir, base_in_use) -> None:
                           f"but would be put on {str(base_in_use)!r}: its scores would be noise. Use the reward model "
                           f"trained on this base, or, if it was trained on this very model under another name, set "
                           f"reward_base_path: {base_in_use}")
+
+
+def check_reward_head(adapter_ref, base_ref=None, key: str = "reward_adapter_path") -> None:
+    """Refuse, before anything loads, a reward adapter without exactly one score head, or whose score head does not
+    fit the width of the base it will be put on (`base_ref`'s `config.json`, where it can be read here without
+    building anything; by default the base the adapter records). Only the safetensors header is read. Without
+    this, a causal-LM adapter given as the reward model, or one trained on a base of another width, is found only
+    after the models are loaded. A hub reference is checked when it loads."""
+    from safetensors import safe_open
+
+    from marlhf_edu.memory.preflight import readable_checkpoint
+    from marlhf_edu.sources import HUB_PREFIX, adapter_base, local_path
+
+    if str(adapter_ref).startswith(HUB_PREFIX):
+        return
+    adapter_dir = local_path(adapter_ref)
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"{key}: {adapter_dir} has no adapter_model.safetensors (a reward adapter written by "
+                          "`marlhf-edu rm` holds its LoRA and its score head there)")
+    base_ref = adapter_base(adapter_dir) if base_ref is None else base_ref
+    folder = readable_checkpoint(base_ref)
+    config = folder / "config.json" if folder is not None else None
+    hidden = json.loads(config.read_text()).get("hidden_size") if config is not None and config.is_file() else None
+    with safe_open(str(weights), framework="pt") as f:
+        try:
+            _score_head_key(adapter_dir, f.keys(), hidden, lambda k: f.get_slice(k).get_shape())
+        except ValueError as err:
+            raise ConfigError(f"{key}: {err}"
+                              + (f" (the width of {base_ref})" if "shape" in str(err) else "")) from None
 
 
 class MultiAdapterBackend(PPOBackend):

@@ -91,9 +91,12 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     peft_config = lora_policy_config(model_args, "DPO")
     if script_args.dataset_name == "toy" and script_args.eval_repeats:  # the evaluation after training needs it
         from marlhf_edu.models import REWARD_ADAPTER_DIR
+        from marlhf_edu.ppo.multi_adapter import check_reward_head
         from marlhf_edu.sources import require_adapter_folder
 
-        require_adapter_folder(resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR), "reward_adapter_path")
+        adapter = resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR)
+        require_adapter_folder(adapter, "reward_adapter_path")
+        check_reward_head(adapter, resolve_zoo(script_args.reward_base_path, SFT_DIR))  # the base it goes on
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
     if dataset is None:  # max_tokens and max_rows, reported, as in the reward-model stage
         dataset = select_rows(load_preference_data(script_args, tokenizer), tokenizer, script_args, "preference")

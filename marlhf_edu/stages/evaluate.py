@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    load_tokenizer, loading_kwargs)
     from marlhf_edu.ppo import ScoredPolicy
     from marlhf_edu.ppo.backends import quiet_loading
+    from marlhf_edu.ppo.multi_adapter import check_reward_head
     from marlhf_edu.sources import local_path, require_adapter_folder
     from marlhf_edu.stages.common import parse_stage_args
     from marlhf_edu.stages.ppo import judge_policy
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     loading = loading_kwargs(args.device, args.dtype, args.load_in_4bit)  # bad --device/--dtype: before loading
     adapter = REWARD_ADAPTER_DIR if args.reward_adapter == "zoo" else local_path(args.reward_adapter)
     require_adapter_folder(args.reward_adapter if args.reward_adapter != "zoo" else adapter, "--reward_adapter")
+    check_reward_head(args.reward_adapter if args.reward_adapter != "zoo" else adapter, args.reward_base or None,
+                      key="--reward_adapter")
     if args.output_dir:  # a folder it cannot write is found now, not after every answer was generated
         out = pathlib.Path(args.output_dir)
         try:

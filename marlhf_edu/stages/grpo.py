@@ -102,7 +102,11 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     if script_args.drop_long_prompts and not script_args.max_prompt_length:
         raise ConfigError("drop_long_prompts needs max_prompt_length (the limit to drop at)")
     if script_args.reward == "reward_model" or (toy and script_args.eval_repeats):  # before training, not after
-        require_adapter_folder(resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR), "reward_adapter_path")
+        from marlhf_edu.ppo.multi_adapter import check_reward_head
+
+        adapter = resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR)
+        require_adapter_folder(adapter, "reward_adapter_path")
+        check_reward_head(adapter, resolve_zoo(script_args.reward_base_path, SFT_DIR))  # the base it goes on
     # the prompts and their lengths are checked with the tokenizer alone, before any model loads
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
     texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template

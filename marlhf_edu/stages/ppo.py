@@ -179,13 +179,14 @@ def export_policy(backend, config, out_dir) -> None:
 def check_before_loading(config, backend_factory=None) -> tuple[list[str], object]:
     """The user's mistakes a model load would otherwise find first, refused as `ConfigError` before anything
     loads: an unknown tracker, an engine option the chosen engine cannot honour, a reward adapter folder that
-    does not exist, a prompt file that cannot be read, prompts longer than `max_prompt_length`, and an evaluation
+    does not exist or whose score head is missing or does not fit the base's width, a prompt file that cannot be read, prompts longer than `max_prompt_length`, and an evaluation
     the keyword judge cannot give (no held-out request fits in `max_prompt_length`). The prompts are read once,
     here, with the policy's tokenizer alone (an SFT adapter's is its base's: nothing is merged); returns them and
     the keyword judge (None when the run has none) for the run."""
     from marlhf_edu.data.formats import DataFileError
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
     from marlhf_edu.ppo.trainer import check_prompt_lengths
+    from marlhf_edu.ppo.multi_adapter import check_reward_head
     from marlhf_edu.sources import require_adapter_folder
 
     if config.report_to not in ("none", "", None):
@@ -201,11 +202,11 @@ def check_before_loading(config, backend_factory=None) -> tuple[list[str], objec
     if backend_factory is None and config.merged_rollout and config.actor_lora_r == 0:
         raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor already "
                           "samples from dense weights")
-    if config.reward_adapter_path != "zoo":
-        require_adapter_folder(config.reward_adapter_path, "reward_adapter_path")
-    else:
-        require_adapter_folder(REWARD_ADAPTER_DIR, "reward_adapter_path")
-    tokenizer = load_tokenizer(SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path)
+    adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+    require_adapter_folder(adapter, "reward_adapter_path")
+    sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
+    check_reward_head(adapter, config.reward_base_path or sft)
+    tokenizer = load_tokenizer(sft)
     try:
         prompts = load_prompts(config, tokenizer)
     except DataFileError as err:
