@@ -75,8 +75,28 @@ def number_per_chapter(app, env):
     return changed
 
 
+def field_help(app, what, name, obj, options, lines):
+    """A configuration dataclass (YAML keys, `--key value` overrides) describes every field in its parameter list:
+    the field's `help` (its metadata, which the command line shows too), beside the type autodoc adds. A field
+    without help says so, which `tests/test_site.py` refuses."""
+    import dataclasses
+
+    if what != "class" or not dataclasses.is_dataclass(obj):
+        return
+    fields = dataclasses.fields(obj)
+    if not any(f.metadata.get("help") for f in fields):  # a record (a rollout, a report), not a configuration
+        return
+    lines.append("")
+    for f in fields:
+        text = f.metadata.get("help") or "NO HELP WRITTEN"
+        # literal text: a help's `*` or backquotes are not reStructuredText markup
+        text = text.replace("\\", "\\\\").replace("*", "\\*").replace("`", "\\`").replace("|", "\\|")
+        lines.append(f":param {f.name}: {text}")
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", link_chapters)
+    app.connect("autodoc-process-docstring", field_help)
     app.connect("env-get-updated", number_per_chapter, priority=900)  # after Sphinx's own numbering (500)
     # MathJax on every page, not only on pages with equations: the navigation shows chapter 2's title,
     # which has math, on the search and index pages too

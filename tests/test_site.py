@@ -62,9 +62,19 @@ def site():
     server.shutdown()
 
 
+API_PAGES = [f"api/{p.stem}.html" for p in sorted((ROOT / "site" / "api").glob("*.md"))]
+
+
 def test_site_pages_exist(site):
     for name in ["index.html", "search.html", "api.html", "chapters/05_gae.html", "_static/mathjax/tex-chtml.js"]:
         assert (SITE / name).exists(), name
+    # the API reference is one page per part, and every configuration field is described (site/conf.py)
+    assert len(API_PAGES) >= 6 and all((SITE / name).exists() for name in API_PAGES)
+    assert not [name for name in API_PAGES if "NO HELP WRITTEN" in (SITE / name).read_text()]
+    engine, stages = ((SITE / "api" / f"{n}.html").read_text() for n in ("engine", "stages"))
+    # PPOConfig's fields, each with its help in the class's parameter list, as every command's arguments
+    assert re.search(r"<strong>cliprange</strong>.{0,400}ε of the clipped policy objective", engine, re.S)
+    assert len(re.findall(r"<strong>\w+</strong> \(<em>", stages)) >= 80
     # MathJax is served by the site itself unless a CDN was asked for
     html = (SITE / "chapters" / "05_gae.html").read_text()
     assert 'src="../_static/mathjax/tex-chtml.js' in html and "cdn.jsdelivr" not in html
@@ -94,7 +104,7 @@ def open_page(browser, url):
     return page
 
 
-PAGES = sorted(["index.html", "api.html", "search.html", "genindex.html", "py-modindex.html"]
+PAGES = sorted(["index.html", "api.html", "search.html", "genindex.html", "py-modindex.html", *API_PAGES]
                + [f"chapters/{p.stem}.html" for p in (ROOT / "chapters").glob("[0-9][0-9]_*.md")])
 
 

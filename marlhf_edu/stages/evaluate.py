@@ -33,9 +33,9 @@ class EvaluateArguments:
     prompts: int = field(default=64, metadata={"help": "keyword judge: held-out red-team requests (plus its benign questions)"})
     max_prompt_length: int = field(default=64, metadata={"help": "keyword judge: longer requests are left out"})
     repeats: int = field(default=4, metadata={"help": "answers sampled per prompt"})
-    max_new_tokens: int = field(default=48)
-    temperature: float = field(default=1.0)
-    seed: int = field(default=0)
+    max_new_tokens: int = field(default=48, metadata={"help": "answer length limit (as chapter 13's runs)"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the answers (> 0)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed: the same seed samples the same answers"})
     device: str = field(default="auto", metadata={"help": "'auto' (cuda if available), 'cpu' or 'cuda[:N]'"})
     dtype: str = field(default="auto", metadata={"help": "weights' dtype: 'auto' = bfloat16 on CUDA, the "
                                                           "checkpoint's own on the CPU; or bfloat16, float16, float32"})

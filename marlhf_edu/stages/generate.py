@@ -19,9 +19,9 @@ from marlhf_edu.errors import ConfigError
 class GenerateArguments:
     model: str = field(default="zoo", metadata={"help": "any model reference (a trained policy adapter included)"})
     prompt: list[str] = field(default_factory=list, metadata={"help": "one or more questions"})
-    max_new_tokens: int = field(default=64)
+    max_new_tokens: int = field(default=64, metadata={"help": "answer length limit"})
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy"})
-    seed: int = field(default=0)
+    seed: int = field(default=0, metadata={"help": "sampling seed (with temperature > 0)"})
     device: str = field(default="auto", metadata={"help": "'auto' (cuda if available), 'cpu' or 'cuda[:N]'"})
     dtype: str = field(default="auto", metadata={"help": "weights' dtype: 'auto' = bfloat16 on CUDA, the "
                                                           "checkpoint's own on the CPU; or bfloat16, float16, float32"})
