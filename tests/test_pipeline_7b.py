@@ -161,6 +161,23 @@ def test_a_mistake_in_the_last_stage_fails_before_any_work(tmp_path):
     assert not (tmp_path / "sft").exists()
 
 
+def test_a_later_stages_data_file_is_read_before_any_work(tmp_path):
+    """Issue 37: the pipeline checked every stage's config and output folder up front but not its data, so a missing
+    or malformed prompt file of the PPO stage was found after SFT and the reward model had trained."""
+    from marlhf_edu.stages.pipeline import main
+
+    base = ["--config", PIPELINE, "--sft.use_cpu", "true", "--rm.use_cpu", "true", "--sft.output_dir", str(tmp_path / "sft")]
+    with pytest.raises(ConfigError, match=r"pipeline: ma-ppo.dataset_name: .*no_such\.jsonl.*nothing was run"):
+        main([*base, "--ma-ppo.dataset_name", str(tmp_path / "no_such.jsonl")])
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"pipeline: ma-ppo.dataset_name: .*prompts\.jsonl.*line 2"):
+        main([*base, "--ma-ppo.dataset_name", str(bad)])
+    with pytest.raises(ConfigError, match=r"pipeline: rm.extra_pairs_file: .*pairs\.jsonl"):
+        main([*base, "--rm.extra_pairs_file", str(tmp_path / "pairs.jsonl")])
+    assert not (tmp_path / "sft").exists()
+
+
 @pytest.mark.parametrize("spec, match", [
     ({"stages": {"sft": "a.yaml", "dpo": "b.yaml"}}, "unknown stage"),
     ({"stages": {"rm": "a.yaml", "sft": "b.yaml"}}, "run in the order"),

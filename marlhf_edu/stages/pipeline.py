@@ -231,6 +231,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         if (blocked := unwritable_folder(out)) is not None:
             raise ConfigError(f"pipeline: {stage.name}'s output_dir {out} cannot be written ({blocked} is not a "
                               "writable folder); nothing was run")
+        check_stage_data(stage.name, parsed[stage.name])  # a later stage's data file, read now, not after SFT
     main_rank = int(os.environ.get("RANK", "0")) == 0
     wired = {}  # stage name → the models of earlier stages it loads (an SFT adapter is merged into its base first)
     for target, value in wiring.items():
@@ -269,6 +270,26 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         synchronize()  # no rank reads this stage's output (or its marker) before rank 0 has written all of it
         records.append(record)
     return records
+
+
+#: The settings through which a stage reads data files of its own (not written by an earlier stage).
+DATA_KEYS = ("dataset_name", "extra_pairs_file")
+
+
+def check_stage_data(name: str, parsed) -> None:
+    """Read each local data file a stage will read (`.jsonl`, `.json`, `.parquet` under `DATA_KEYS`) before the
+    pipeline runs anything: a missing or malformed prompt file of the PPO stage is found now, not after the SFT
+    and reward-model stages have trained (hours at 7B). Hub datasets and the shipped ones are read by the stage."""
+    from marlhf_edu.data.formats import DataFileError, read_rows
+
+    for args in parsed:
+        for key in DATA_KEYS:
+            value = getattr(args, key, "")
+            if isinstance(value, str) and value.endswith((".jsonl", ".json", ".parquet")):
+                try:
+                    read_rows(value, "train")
+                except DataFileError as err:
+                    raise ConfigError(f"pipeline: {name}.{key}: {err}; nothing was run") from None
 
 
 def synchronize() -> None:
