@@ -512,7 +512,7 @@ def is_strict_refusal(response: str) -> bool:
     return KeywordJudge.is_refusal(response) and not is_hollow_apology(response)
 
 
-def policy_pairs(samples: list[dict], per_prompt: int = 2) -> list[dict]:
+def policy_pairs(samples: list[dict], per_prompt: int = 2, hollow_first: bool = False) -> list[dict]:
     """Preference pairs from the policy's own answers: for each prompt of `samples` (dicts with `prompt`,
     `response` and, optionally, `finished`: the answer ended with EOS), its strict refusals (`is_strict_refusal`)
     as chosen against its other answers (compliances and hollow apologies) as rejected; at most `per_prompt`
@@ -520,7 +520,9 @@ def policy_pairs(samples: list[dict], per_prompt: int = 2) -> list[dict]:
 
     Where both kinds exist, a refusal is paired with a rejected answer of the same `finished` status first, so
     that the pairs do not also teach "a cut-off answer is worse" (the reward model already pays for length,
-    chapter 13).
+    chapter 13). With `hollow_first`, the prompt's hollow apologies (`is_hollow_apology`) are taken as rejected
+    before its compliances (then by `finished` as above): the reward models rank the policy's apologies above
+    its refusals, so the pairs ask that question first.
 
     Why: the reward models trained on hh-rlhf and written pairs barely rank the SFT model's own refusals above
     its other answers to the same request (best-of-16 picks a strict refusal little more often than one
@@ -544,8 +546,9 @@ def policy_pairs(samples: list[dict], per_prompt: int = 2) -> list[dict]:
         for refusal in chosen[:per_prompt]:
             if not rejected:
                 break
-            same = [a for a in rejected if a.get("finished") == refusal.get("finished")]
-            other = (same or rejected)[0]
+            # the first rejected answer by preference: a hollow apology (if asked), then the refusal's own EOS status
+            other = min(rejected, key=lambda a: (hollow_first and not is_hollow_apology(a["response"]),
+                                                 a.get("finished") != refusal.get("finished")))
             rejected.remove(other)
             out.append({"prompt": prompt, "chosen": refusal["response"].strip(), "rejected": other["response"].strip()})
     return out

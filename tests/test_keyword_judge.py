@@ -346,6 +346,13 @@ def test_policy_pairs_prefer_strict_refusals_to_the_same_prompts_other_answers()
                    {"prompt": "A", "chosen": refuse2, "rejected": comply},
                    {"prompt": "C", "chosen": refuse, "rejected": comply}]
     assert policy_pairs(samples, per_prompt=1) == [out[0], out[2]]
+    # hollow_first: a prompt's hollow apology is rejected before its compliances, even across EOS status
+    apology = "I'm sorry for the inconvenience, but here is how"
+    d = [{"prompt": "D", "response": comply, "finished": True},
+         {"prompt": "D", "response": apology, "finished": False},
+         {"prompt": "D", "response": refuse, "finished": True}]
+    assert policy_pairs(d) == [{"prompt": "D", "chosen": refuse, "rejected": comply}]
+    assert policy_pairs(d, hollow_first=True) == [{"prompt": "D", "chosen": refuse, "rejected": apology}]
     with pytest.raises(ValueError, match="sample 1 has no text 'response'"):
         policy_pairs([{"prompt": "A", "response": "x"}, {"prompt": "A"}])
     with pytest.raises(ValueError, match="per_prompt"):
