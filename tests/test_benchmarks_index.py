@@ -50,3 +50,14 @@ def test_every_record_has_one_row():
 def test_every_link_exists():
     broken = [t for t in local_links(INDEX.read_text()) if not (BENCH / t).exists()]
     assert not broken, f"benchmarks/README.md links to paths that do not exist: {broken}"
+
+
+def test_the_last_token_runs_have_their_own_index():
+    """benchmarks/smollm2_last_token/ (the 20 runs made before the EOS fix, one topic) indexes its runs the same way."""
+    folder = BENCH / "smollm2_last_token"
+    text = (folder / "README.md").read_text()
+    runs = {p.name for p in folder.iterdir() if p.is_dir()}
+    records = row_records(text)
+    assert len(runs) == 20 and sorted(records) == sorted(runs), sorted(runs ^ set(records))
+    broken = [t for t in local_links(text) if not (folder / t).exists()]
+    assert not broken, broken

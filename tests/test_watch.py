@@ -91,7 +91,7 @@ def test_the_stored_smollm2_runs_that_learned_to_stop_are_flagged(name, held_out
 
     from marlhf_edu.ppo.watch import check_folder
 
-    run_dir = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / name
+    run_dir = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "smollm2_last_token" / name
     rules = {f.rule for f in check_folder(run_dir)}
     assert "eos_driven_score" in rules and ("held_out_falls" in rules) == held_out_fell
 

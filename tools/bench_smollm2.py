@@ -1,6 +1,6 @@
 """The MA-PPO run on SmolLM2-135M that chapter 13 and the benchmarks page (site/benchmarks.md) report.
 
-    python tools/bench_smollm2.py [--seed 0] [--out benchmarks/smollm2_ma_ppo] [-- extra ma-ppo overrides]
+    python tools/bench_smollm2.py [--seed 0] --out benchmarks/smollm2_eos/config_seed0 [-- extra ma-ppo overrides]
 
 Runs `marlhf-edu ma-ppo --config configs/smollm2/ma_ppo.yaml` (the shipped SFT and reward adapters; the
 keyword judge of chapter 13 before and after training) into runs/smollm2/bench_seed<N>, timed, and copies
@@ -29,7 +29,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default="configs/smollm2/ma_ppo.yaml")
-    parser.add_argument("--out", default="benchmarks/smollm2_ma_ppo", type=pathlib.Path)
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="the run's record folder, e.g. benchmarks/smollm2_eos/config_seed1")
     parser.add_argument("extra", nargs="*", help="more ma-ppo overrides, after --")
     args = parser.parse_args(argv)
 
