@@ -4,8 +4,10 @@ Each `check_…` runs the learner's function and the package's reference on the
 same random and edge-case inputs and reports, case by case, where behaviour
 differs. It never reads the learner's source: any correct implementation
 passes. The report is truthy when every case passes; `report.require()` raises
-`AssertionError` with the case-by-case report, which is what the graded
-(nbgrader) test cells call. `seed=` draws other random cases for hidden tests.
+`AssertionError` with the case-by-case report. The graded (nbgrader) test cells
+collect reports (`case` turns a hand-written check into one) and end with
+`grade(reports, points)`, which prints every case and returns the partial
+credit nbgrader records. `seed=` draws other random cases for hidden tests.
 
 While the learner's function runs, the package's own implementation of what
 the exercise asks for is *withheld*: calling it (under any import path) raises
@@ -20,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import io
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,9 +45,15 @@ class CheckReport:
     cases: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     passing: str = "agree with the reference"  # what a passing case did, for the PASS line
+    problems: list[str | None] = field(default_factory=list)  # per case, in order: None or what went wrong
 
     def __bool__(self) -> bool:
         return not self.failures
+
+    def case_lines(self) -> list[str]:
+        """Every case on its own line, PASS or FAIL (with what went wrong)."""
+        return [f"  PASS {case}" if problem is None else f"  FAIL {problem}"
+                for case, problem in zip(self.cases, self.problems)]
 
     def require(self) -> None:
         """Print the PASS line, or raise `AssertionError` whose message is the case-by-case report."""
@@ -154,13 +164,49 @@ def _run(name: str, cases: list[tuple[str, Callable[[], str | None]]],
     report = CheckReport(name, passing=passing)
     for label, case in cases:
         report.cases.append(label)
-        try:
-            problem = case()
-        except Exception as err:  # a learner's bug must become a report line, not a crash
-            problem = f"{label}: raised {type(err).__name__}: {err}"
+        # a warning or stderr line from the learner's code would make nbgrader give the whole cell 0, whatever
+        # the cases say (nbgrader.utils.determine_grade): both are kept out of the cell's output
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            try:
+                problem = case()
+            except Exception as err:  # a learner's bug must become a report line, not a crash
+                problem = f"{label}: raised {type(err).__name__}" + (f": {err}" if str(err) else "")
+        report.problems.append(problem or None)
         if problem:
             report.failures.append(problem)
     return report
+
+
+def case(label: str, test: Callable[[], bool]) -> CheckReport:
+    """One hand-written case as a report of one case, for `grade`: passes when `test()` returns True; False or an
+    exception fails it (the exception becomes the report line, as in the checkers)."""
+    return _run(label, [(label, lambda: None if test() else f"{label}: wrong result")])
+
+
+def grade(reports: list[CheckReport], points: float, partial: bool = True) -> float:
+    """The credit of a graded cell: `points` times the share of all the `reports`' cases that pass, rounded to
+    0.01 (with `partial=False`: `points` when every case passes, else 0). Prints every case, PASS or FAIL, then
+    the score; returns the score, which the cell shows as its last value: nbgrader reads a graded cell's
+    numeric value as its partial credit (`nbgrader.utils.determine_grade`; an error, or anything on stderr,
+    gives 0). So one right case of seven earns a seventh of the points, where `require()` gave what an empty
+    stub gets. The problem sets grade all or nothing: the function they hand out already passes the cases its
+    bug does not touch."""
+    total = sum(len(r.cases) for r in reports)
+    passed = sum(p is None for r in reports for p in r.problems)
+    if not total:
+        raise ValueError("grade: no cases to grade")
+    for report in reports:
+        if report.cases == [report.name]:  # a hand-written `case`: its one line says it all
+            print(report.case_lines()[0].strip())
+            continue
+        print(f"{report.name}: {sum(p is None for p in report.problems)} of {len(report.cases)} cases pass")
+        print("\n".join(report.case_lines()))
+    share = passed / total if partial else float(passed == total)
+    score = round(points * share, 2)
+    rule = "" if partial else ", all or nothing"
+    print(f"score: {score:g} of {points:g} points ({passed} of {total} cases pass{rule})")
+    return score
 
 
 def _padded_mask(gen: torch.Generator, B: int, T: int, left: bool = False) -> torch.Tensor:

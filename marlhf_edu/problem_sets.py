@@ -4,7 +4,7 @@ Each problem set hands the learner functions that run without error and give
 plausible numbers, but are wrong. The learner writes the fixed function; a
 `check_fix_…` here runs it on the cases that expose the bug and compares with
 the behaviour the book relies on. Like `marlhf_edu.exercises`, checkers never
-read source code, return a `CheckReport` (`.require()` for graded cells), take
+read source code, return a `CheckReport` (graded cells pass it to `exercises.grade`), take
 `seed=` for hidden tests, and withhold the package functions that would answer
 the problem outright.
 

@@ -1,8 +1,9 @@
 """The course side: nbgrader metadata from the chapters, student releases, and a full grading round trip.
 
 The round trip grades a subset that covers every kind of assignment and finishes in about three minutes on
-2 cores: chapter 00 (math, markdown answers), 04 (an exercise whose reference is withheld, shown functions
-removed), 07 (trains a reward model from a config that travels with the assignment) and problem set 1.
+2 cores: chapter 00 (math, markdown answers), 05 (an exercise whose reference is withheld, shown functions
+removed; a third student earns partial credit), 08 (trains a reward model from a config that travels with the
+assignment) and problem set 1.
 """
 
 import importlib.util
@@ -42,7 +43,7 @@ def test_every_assignment_has_graded_work(stem):
 
 def test_grading_metadata_follows_the_markers():
     cells = [nbformat.v4.new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION"),
-             nbformat.v4.new_code_cell("# graded: 3 points\ncheck_thing(f).require()"),
+             nbformat.v4.new_code_cell("# graded: 3 points\nchecks = [check_thing(f)]\ngrade(checks, points=3)"),
              nbformat.v4.new_markdown_cell("**Model answer (2 points).** Because."),
              nbformat.v4.new_code_cell("print(1)")]
     metas = book.grading_metadata(cells, "99_x")
@@ -52,6 +53,11 @@ def test_grading_metadata_follows_the_markers():
     assert metas[2]["solution"] and metas[2]["grade"] and metas[2]["points"] == 2 and metas[3] is None
     with pytest.raises(ValueError, match="used twice"):
         book.grading_metadata(cells[:2] * 2, "99_x")
+    # the points the marker states are the points the cell's grade() gives (nbgrader refuses a score above them)
+    for last in ("grade(checks, points=2)", "check_thing(f).require()"):
+        cells[1].source = f"# graded: 3 points\nchecks = [check_thing(f)]\n{last}"
+        with pytest.raises(ValueError, match=r"must end with `grade\(checks, points=3\)`"):
+            book.grading_metadata(cells, "99_x")
 
 
 def test_student_source_drops_the_answers_and_localises_paths():
@@ -63,6 +69,8 @@ def test_student_source_drops_the_answers_and_localises_paths():
         for name in book.withheld_names(nb):
             assert f"show({name})" not in text, (md.stem, name)
         assert "../configs/" not in text and "../benchmarks/" not in text
+        # JupyterLab shows MyST's roles raw: the student copy has the site's numbers instead (book.plain_roles)
+        assert not re.search(r"\{(eq|numref)\}`|^\$\$ *\(", text, re.M), md.stem
         assert all((ROOT / f).is_file() or (ROOT / f).is_dir() for f in files), files  # a run's folder is copied whole
         assert all(not c.get("outputs") for c in student.cells if c.cell_type == "code")
     gae = book.student_source(nbformat.read(ROOT / "notebooks" / "05_gae.ipynb", 4), "05_gae", set())
@@ -83,14 +91,29 @@ def fill_in_solutions(released: pathlib.Path, source: pathlib.Path) -> None:
     nbformat.write(nb, released)
 
 
+def ignore_the_bootstrap(released: pathlib.Path) -> None:
+    """Chapter 05's student who wrote plain GAE: the instructor's solution with the bootstrap ignored, right on
+    the rows that ended and wrong on the truncated ones."""
+    nb = nbformat.read(released, 4)
+    (cell,) = [c for c, m in nbgrader_cells(nb) if m["grade_id"] == "05_gae-my_gae_bootstrap"]
+    head, _, body = cell.source.partition("\n")
+    cell.source = head + "\n    bootstrap = 0 * bootstrap\n" + body
+    nbformat.write(nb, released)
+
+
 @pytest.fixture(scope="module")
 def graded_course(tmp_path_factory):
     root = tmp_path_factory.mktemp("course")
     assert book.cmd_assignments(SUBSET, root=root) == SUBSET
     for stem in SUBSET:
-        for student in ("stubs", "solutions"):
+        students = ("stubs", "solutions", "partial") if stem == "05_gae" else ("stubs", "solutions")
+        for student in students:
             shutil.copytree(root / "release" / stem, root / "submitted" / student / stem)
         fill_in_solutions(root / "submitted" / "solutions" / stem / f"{stem}.ipynb", root / "source" / stem / f"{stem}.ipynb")
+        if stem == "05_gae":
+            partial = root / "submitted" / "partial" / stem / f"{stem}.ipynb"
+            fill_in_solutions(partial, root / "source" / stem / f"{stem}.ipynb")
+            ignore_the_bootstrap(partial)
         book.nbgrader("autograde", stem, "--create", "--force", root=root)
         book.nbgrader("generate_feedback", stem, "--force", root=root)
     return root
@@ -123,6 +146,16 @@ def test_stubs_score_zero_and_solutions_full_marks(graded_course, stem):
     # written answers: an untouched "YOUR ANSWER HERE" scores 0 by itself, a written one waits for the teacher
     assert all(score == 0 and not manual for _, kind, score, _, manual in stubs if kind == "markdown"), stubs
     assert all(manual for _, kind, _, _, manual in solutions if kind == "markdown"), solutions
+
+
+def test_partial_work_earns_partial_credit_and_its_feedback_names_every_case(graded_course):
+    """Issue 36: plain GAE is right on the cases where every row ended and wrong on the truncated ones; it used to
+    score what the empty stub scores (0 of 3)."""
+    (test,) = [g for g in grades(graded_course, "05_gae", "partial") if g[0] == "05_gae-my_gae_bootstrap-test"]
+    assert 0 < test[2] < test[3] == 3, test
+    html = (graded_course / "feedback" / "partial" / "05_gae" / "05_gae.html").read_text()
+    assert "PASS every row ended (bootstrap 0): plain GAE" in html and "FAIL every row truncated" in html
+    assert f"score: {test[2]:g} of 3 points" in html
 
 
 def test_feedback_is_generated(graded_course):
@@ -159,7 +192,7 @@ def test_assignment_paths_stay_inside_configs_and_benchmarks(tmp_path):
     nb.cells = [nbformat.v4.new_code_cell('open("../configs/../../../etc/passwd")')]
     with pytest.raises(SystemExit, match="leads outside configs/ and benchmarks/"):
         book.student_source(nb, "evil", set())
-    assert book.confined_path("benchmarks/smollm2_ma_ppo") == "benchmarks/smollm2_ma_ppo"
+    assert book.confined_path("benchmarks/smollm2_last_token/smollm2_ma_ppo") == "benchmarks/smollm2_last_token/smollm2_ma_ppo"
     link = ROOT / "benchmarks" / "_test_link_to_outside"
     link.symlink_to(tmp_path)
     try:
@@ -190,9 +223,10 @@ def test_learner_edition_has_no_answers_and_keeps_a_learners_work(tmp_path):
     assert len(answers) >= 3 and not any(a.split("**", 2)[2][:60] in text for a in answers)
     assert all(not c.get("outputs") for c in learner.cells if c.cell_type == "code")
     assert "jupytext" not in learner.metadata and 'formats = "ipynb"' in (tmp_path / "jupytext.toml").read_text()
-    # the prose and the demonstrations are the instructor copy's
+    # the prose and the demonstrations are the instructor copy's (its MyST cross-references as plain numbers)
+    plain = book.plain_roles(nbformat.from_dict(json.loads(json.dumps(instructor))), "05_gae")
     assert [c.source for c in learner.cells if c.cell_type == "markdown"][:2] == \
-        [c.source for c in instructor.cells if c.cell_type == "markdown"][:2]
+        [c.source for c in plain.cells if c.cell_type == "markdown"][:2]
     page = json.loads((tmp_path / ".jupyter" / "labconfig" / "page_config.json").read_text())
     server = json.loads((tmp_path / ".jupyter" / "jupyter_server_config.json").read_text())
     assert page["disabledExtensions"] == {"@jupyter/nbgrader": True}
@@ -214,3 +248,62 @@ def test_executing_a_chapter_prints_progress(capsys, tmp_path):
     assert re.findall(r"t: code cell (\d) of 2, \d+ s", capsys.readouterr().out) == ["1", "2"]
     book.execute(nb, cwd=tmp_path, name="t", progress_s=3600)
     assert "code cell" not in capsys.readouterr().out
+
+
+def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
+    """Issue 36: JupyterLab renders Markdown, not MyST, so a chapter showed "{eq}`gae`", "{numref}`fig-…`" and a
+    stray "(td-error)" under each labelled equation. The learner edition (`make lab`) carries the site's numbers
+    instead (`book.plain_roles`). Opened in JupyterLab in headless Chromium, as a reader opens it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the browser checks: install Debian's chromium (.ci/run does)")
+        pytest.skip("no chromium on this machine (apt-get install chromium); CI runs this check")
+    from playwright.sync_api import sync_playwright
+
+    book.cmd_learner(["05_gae"], out=tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import tempfile
+
+    runtime = tempfile.mkdtemp()  # outside the server's root: not a folder in the learner's file browser
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path / ".jupyter"), "JUPYTER_RUNTIME_DIR": runtime}
+    server = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+                               "--ServerApp.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
+                               f"--ServerApp.root_dir={tmp_path}", "--allow-root"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(base + "/api/status", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--headless", "--no-sandbox", "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(base + "/lab/tree/05_gae.ipynb", wait_until="load")
+            page.wait_for_selector(".jp-MarkdownCell .jp-RenderedMarkdown", timeout=90_000)
+            page.wait_for_timeout(3000)  # every cell rendered, MathJax typeset
+            text = page.evaluate("() => [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')]"
+                                 ".map(e => e.innerText).join('\\n')")
+            shots = ROOT / "build" / "site-check"
+            shots.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(shots / "jupyterlab_05_gae.png"))
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert "Generalised" in text or "GAE" in text, text[:500]  # the chapter rendered
+    raw = re.findall(r"\{(?:eq|numref|doc|ref)\}`[^`]*`|\((?:td-error|gae)\)", text)
+    assert not raw, raw
+    assert "Figure 5.1" in text and "(5.2)" in text  # the site's numbers, as plain text

@@ -75,6 +75,51 @@ def test_require_raises_with_the_report_and_prints_a_pass(capsys):
     assert capsys.readouterr().out.startswith("PASS check_position_ids")
 
 
+def test_grade_gives_credit_per_case_and_lists_every_case(capsys):
+    """Issue 36: a graded cell's score is the share of its cases that pass (nbgrader reads the cell's value), and
+    the report names every case, the passing ones too; an error without a message leaves no dangling colon."""
+    def stub(mask):
+        raise NotImplementedError()
+
+    right = lambda m: (m.long().cumsum(-1) - 1).clamp_min(0)  # noqa: E731
+    arange = lambda m: torch.arange(m.shape[1]).expand(m.shape)  # right where no row is left-padded  # noqa: E731
+    partial = ex.check_position_ids(arange)
+    n, ok = len(partial.cases), sum(p is None for p in partial.problems)
+    assert 0 < ok < n and len(partial.problems) == n
+    hand = [ex.case("ones", lambda: True), ex.case("twos", lambda: False), ex.case("boom", lambda: 1 / 0)]
+    assert ex.grade([partial, *hand], points=3) == round(3 * (ok + 1) / (n + 3), 2)
+    out = capsys.readouterr().out
+    passed = [c for c, p in zip(partial.cases, partial.problems) if p is None]
+    assert all(f"  PASS {c}" in out for c in passed) and out.count("  FAIL ") == n - ok
+    assert "PASS ones\nFAIL twos: wrong result\nFAIL boom: raised ZeroDivisionError: division by zero" in out
+    assert out.rstrip().endswith(f"({ok + 1} of {n + 3} cases pass)")
+    assert ex.grade([partial], points=2, partial=False) == 0 and "all or nothing" in capsys.readouterr().out
+    assert ex.grade([ex.check_position_ids(right)], points=2, partial=False) == 2
+    assert ex.grade([ex.check_position_ids(stub)], points=2) == 0
+    out = capsys.readouterr().out
+    assert "raised NotImplementedError\n" in out and "NotImplementedError:" not in out
+    assert str(ex.check_position_ids(stub)).endswith("every case raised NotImplementedError")
+    with pytest.raises(ValueError, match="no cases"):
+        ex.grade([], points=1)
+
+
+def test_a_learners_warnings_and_stderr_stay_out_of_the_graded_cell(capsys):
+    """nbgrader gives a graded cell 0 when anything reaches stderr, whatever its cases say: the checkers keep the
+    learner's warnings and stderr lines out of the cell's output."""
+    import sys
+    import warnings
+
+    def noisy(mask):
+        warnings.warn("a learner's warning")
+        print("a learner's stderr line", file=sys.stderr)
+        return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning that got out would raise here
+        assert ex.grade([ex.check_position_ids(noisy)], points=2) == 2
+    assert capsys.readouterr().err == ""
+
+
 def test_seeds_draw_other_cases():
     seen, mean = [], private_copy(masked_mean)
 

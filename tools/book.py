@@ -104,6 +104,11 @@ def grading_metadata(cells, stem: str) -> list[dict | None]:
             tested = re.search(r"check_\w+\(\s*(\w+)", src)
             if not tested:
                 raise ValueError(f"{stem}, cell {i}: a graded cell must call a check_… function on the learner's one")
+            last = src.rstrip().splitlines()[-1]
+            said = re.match(r"grade\(checks, points=(\d+)(, partial=False)?\)$", last)
+            if not said or said.group(1) != m.group(1):
+                raise ValueError(f"{stem}, cell {i}: a graded cell worth {m.group(1)} points must end with "
+                                 f"`grade(checks, points={m.group(1)})` (its partial credit), not {last!r}")
             meta = _nbgrader(f"{stem}-{tested.group(1)}-test", solution=False, grade=True, locked=True,
                              points=int(m.group(1)))
         elif cell.cell_type == "markdown" and (m := ANSWER.match(src)):
@@ -336,8 +341,54 @@ def withheld_names(nb) -> set[str]:
             for path in getattr(exercises, name).withholds}
 
 
+ROLE = re.compile(r"\{(eq|numref)\}`([^`<>]+)`")
+EQUATION_LABEL = re.compile(r"^\$\$ *\(([\w-]+)\) *$", re.M)
+
+
+def plain_roles(nb, stem: str):
+    """The chapter as JupyterLab can show it: MyST's cross-references become the numbers the site gives them.
+
+    JupyterLab renders Markdown, not MyST (no `jupyterlab-myst` supports the pinned JupyterLab 4.6), so a labelled
+    equation `$$ … $$ (gae)` showed a stray "(gae)" and a reference showed as {eq}`gae`. Here the equation
+    carries `\\tag{5.2}` (MathJax numbers it), {eq}`gae` becomes (5.2) and {numref}`fig-gae-credit` Figure 5.1:
+    equations and figures numbered per chapter in order of appearance, as site/conf.py `number_per_chapter` does.
+    The instructor copies keep MyST (the site reads them)."""
+    if not stem[:2].isdigit():  # the site numbers only chapters per chapter (a problem set has no roles)
+        if any(ROLE.search(c.source) or EQUATION_LABEL.search(c.source) for c in nb.cells if c.cell_type == "markdown"):
+            raise SystemExit(f"{stem}: cross-references outside a numbered chapter are not supported")
+        return nb
+    chapter = int(stem[:2])
+    numbers: dict[str, str] = {}
+    counts = {"eq": 0, "numref": 0}
+    for cell in nb.cells:
+        found = []
+        if cell.cell_type == "markdown":
+            found = [("eq", label) for label in EQUATION_LABEL.findall(cell.source)]
+        figure = cell.metadata.get("mystnb", {}).get("figure", {}).get("name")
+        if figure:
+            found.append(("numref", figure))
+        for kind, label in found:
+            counts[kind] += 1
+            numbers[label] = f"{chapter}.{counts[kind]}"
+
+    def tagged(match):  # `$$ … $$ (label)`: the closing line of a labelled display equation
+        return "\\tag{" + numbers[match.group(1)] + "}\n$$"
+
+    def reference(match):
+        kind, label = match.groups()
+        if label not in numbers:
+            raise SystemExit(f"{stem}: {{{kind}}}`{label}` names no equation or figure of the chapter")
+        return f"({numbers[label]})" if kind == "eq" else f"Figure {numbers[label]}"
+
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = ROLE.sub(reference, EQUATION_LABEL.sub(tagged, cell.source))
+    return nb
+
+
 def student_source(nb, stem: str, files: set[str], local_paths: bool = True):
-    """The nbgrader source of a chapter: the instructor copy without the answers' `show()` and with paths local.
+    """The nbgrader source of a chapter: the instructor copy without the answers' `show()`, with paths local, and
+    with MyST's cross-references as plain numbers (`plain_roles`: students open it in JupyterLab).
 
     Paths `../configs/X` and `../benchmarks/X` become `configs/X` and `benchmarks/X` (added to `files`, copied
     next to the notebook): an assignment travels as one folder. With `local_paths=False` they stay as they are
@@ -365,7 +416,7 @@ def student_source(nb, stem: str, files: set[str], local_paths: bool = True):
             cell.outputs, cell.execution_count = [], None
         cells.append(cell)
     nb.cells = cells
-    return nb
+    return plain_roles(nb, stem)
 
 
 def confined_path(rel: str, stem: str = "") -> str:
