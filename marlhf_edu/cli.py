@@ -47,6 +47,28 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+#: Libraries whose deprecation notices about each other are not the user's to act on (peft reads transformers'
+#: deprecated `is_gradient_checkpointing` on every adapter it wraps): hidden from the commands' output.
+QUIET_MODULES = r"(transformers|peft|trl|accelerate|datasets|bitsandbytes|huggingface_hub)(\.|$)"
+
+
+def quiet_libraries() -> None:
+    """One progress bar per long step and no library chatter: transformers' per-load "Loading weights" bars,
+    datasets' per-map bars and the libraries' FutureWarning/DeprecationWarning notices are turned off for the
+    command's run (the training bar, trl's or ours, stays). Our own warnings, and the libraries' other
+    warnings, still print."""
+    import os
+    import warnings
+
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=QUIET_MODULES)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # datasets' per-map bars (read at its import)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -62,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from marlhf_edu.errors import BadRowError, DataFileError
 
+    quiet_libraries()
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         module.main(argv[1:])

@@ -408,3 +408,23 @@ def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path, prompts, v
     with pytest.raises(ConfigError, match=f"{victim} is not plain checkpoint data"):
         make_trainer(tmp_path, prompts, total_steps=2, resume=True).train(progress=False)
     assert not proof.exists(), "resuming ran code from the checkpoint"
+
+
+def test_the_command_prints_one_bar_a_table_and_no_library_warnings(tmp_path):
+    """Issue 36: `marlhf-edu ma-ppo` printed transformers' "Loading weights" bars, a FutureWarning that peft
+    triggers inside transformers, and its before/after evaluation as raw JSON lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "TQDM_DISABLE")}
+    args = [f"--{k}={v}" for k, v in {**SMALL, "total_steps": 1, "eval_repeats": 1, "output_dir": tmp_path / "run"}.items()]
+    proc = subprocess.run([sys.executable, "-m", "marlhf_edu.cli", "ma-ppo", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr
+    assert "ppo: 100%" in proc.stderr  # the run's own bar
+    table = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("held-out evaluation"))
+    assert table[header].split()[-3:] == ["before", "after", "change"]
+    rows = {line.split()[0]: line.split()[1:] for line in table[header + 1:] if line and not line.startswith("(")}
+    assert {"harmful_refusal_rate", "benign_accuracy", "reward_model_score"} <= set(rows), rows
+    assert rows["n_harmful"][0] == rows["n_harmful"][1] and rows["n_harmful"][0].isdigit()  # a count, no change
+    assert rows["reward_model_score"][2].startswith(("+", "-"))
+    assert "eval.json" in proc.stdout and "{" not in proc.stdout

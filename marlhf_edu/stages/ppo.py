@@ -308,7 +308,27 @@ def main(argv: list[str] | None = None, backend_factory=None, progress: bool = T
 
     (config,) = parse_stage_args((PPOConfig,), argv)
     result = run(config, backend_factory, progress=progress)
-    for key in ("before", "after"):
-        if key in result and result["trainer"].dp.is_main:
-            print(key, json.dumps({k: round(v, 4) for k, v in result[key].items()}))
+    if result["trainer"].dp.is_main and ("before" in result or "after" in result):
+        print(evaluation_table(result.get("before", {}), result.get("after", {})))
+        print(f"(the held-out evaluation, and the answers it read: {config.output_dir}/eval.json, eval_samples.jsonl)")
     return result
+
+
+def evaluation_table(before: dict, after: dict) -> str:
+    """The held-out evaluation before and after training as a table: one row per measure, its change beside.
+    Counts print as integers, rates and scores to 4 decimals."""
+    keys = list(dict.fromkeys([*before, *after]))
+    title = "held-out evaluation"
+    width = max([len(title), *map(len, keys)])
+
+    def cell(value) -> str:
+        if value is None:
+            return "-"
+        return f"{value:d}" if isinstance(value, int) else f"{value:.4f}"
+
+    lines = [f"{title:{width}s}  {'before':>9s}  {'after':>9s}  {'change':>9s}"]
+    for key in keys:
+        b, a = before.get(key), after.get(key)
+        change = "" if b is None or a is None or (isinstance(b, int) and isinstance(a, int) and a == b) else f"{a - b:+.4f}"
+        lines.append(f"{key:{width}s}  {cell(b):>9s}  {cell(a):>9s}  {change:>9s}")
+    return "\n".join(lines)
