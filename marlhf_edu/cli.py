@@ -82,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
+    from marlhf_edu.cpu_products import fp32_products_where_needed
     from marlhf_edu.errors import BadRowError, DataFileError
 
     quiet_libraries()
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
-        module.main(argv[1:])
+        with fp32_products_where_needed():  # bf16 products at fp32 speed on CPUs without bf16 kernels
+            module.main(argv[1:])
     except (ConfigError, BadRowError, DataFileError) as err:  # a user's mistake: one line that says what and where, no traceback
         print(f"marlhf-edu {argv[0]}: {err}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ import pathlib
 import sys
 import time
 
+from marlhf_edu.cpu_products import fp32_products_where_needed
 from marlhf_edu.errors import ConfigError
 
 #: stage name → (module with `main(argv)`, the kind of config it parses: `_config_types`)
@@ -260,7 +261,8 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         fresh = ["--overwrite_output", "true"] if stage.kind != "ppo" and not resume else []
         argv = ["--config", stage.config, *stage.argv, *resume, *fresh]
         module = importlib.import_module(stage.module)
-        module.main(argv, progress=progress) if stage.kind == "ppo" else module.main(argv)
+        with fp32_products_where_needed():  # a CPU without bf16 kernels: the recipe's bf16 products, computed in fp32
+            module.main(argv, progress=progress) if stage.kind == "ppo" else module.main(argv)
         release_memory()
         record = {"stage": stage.name, "status": "resumed" if resume else "ran", "output_dir": str(out),
                   "config": stage.config, "argv": stage.argv, "seconds": round(time.perf_counter() - start, 1)}

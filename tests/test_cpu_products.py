@@ -1,0 +1,128 @@
+"""bf16/fp16 matrix products computed in fp32 on CPUs without native kernels (marlhf_edu.cpu_products).
+
+On an AVX2-only CPU PyTorch's bf16 product falls back to a scalar loop for the layout of every linear layer's
+backward (about 500x slower than fp32 at 7B widths): CI's 7B-shaped smoke run timed out there. The mode must
+compute the same products, forward and backward, and every command and pipeline stage must run inside it.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import yaml
+
+from marlhf_edu import cpu_products
+from marlhf_edu.cpu_products import Fp32Products, fp32_products_where_needed, needs_fp32_products
+
+
+def test_a_bf16_linear_layer_is_computed_in_fp32_forward_and_backward():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    layer = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
+    with Fp32Products() as mode:
+        y = layer(x)
+        g = torch.randn_like(y)
+        y.backward(g)
+    # forward, the input's gradient and the weight's gradient: three products, all in fp32
+    assert mode.count == 3
+    assert y.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16
+    w, b = layer.weight.float(), layer.bias.float()
+    assert torch.equal(y, (x.float().reshape(15, 64) @ w.t() + b).to(torch.bfloat16).reshape(3, 5, 96))
+    assert torch.equal(x.grad, (g.float().reshape(15, 96) @ w).to(torch.bfloat16).reshape(3, 5, 64))
+    # the weight's gradient, as autograd computes it: grad_output.T @ input, rounded once
+    expected = (g.float().reshape(15, 96).t() @ x.detach().float().reshape(15, 64)).to(torch.bfloat16)
+    assert torch.equal(layer.weight.grad, expected)
+
+
+def test_batched_products_and_fp16_are_covered_and_fp32_or_mixed_ones_left_alone():
+    a, b = torch.randn(2, 4, 8), torch.randn(2, 8, 3)
+    with Fp32Products() as mode:
+        half = torch.bmm(a.half(), b.half())
+        torch.baddbmm(torch.zeros(2, 4, 3, dtype=torch.bfloat16), a.bfloat16(), b.bfloat16())
+        assert mode.count == 2
+        torch.bmm(a, b)                                # fp32: nothing to do
+        torch.mm(a[0], b[0])
+        assert mode.count == 2
+    assert half.dtype == torch.float16 and torch.equal(half, torch.bmm(a.half().float(), b.half().float()).half())
+
+
+def test_when_it_is_needed(monkeypatch):
+    monkeypatch.delenv("MARLHF_EDU_FP32_PRODUCTS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu_products, "native_low_precision_products", lambda dtype=torch.bfloat16: False)
+    assert needs_fp32_products()
+    monkeypatch.setattr(cpu_products, "native_low_precision_products", lambda dtype=torch.bfloat16: True)
+    assert not needs_fp32_products()
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
+    assert needs_fp32_products()
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "0")
+    monkeypatch.setattr(cpu_products, "native_low_precision_products", lambda dtype=torch.bfloat16: False)
+    assert not needs_fp32_products()
+    monkeypatch.delenv("MARLHF_EDU_FP32_PRODUCTS")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU run keeps its products on the GPU
+    assert not needs_fp32_products()
+
+
+def test_the_detection_asks_onednn():
+    assert cpu_products.native_low_precision_products(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_products.native_low_precision_products(torch.float32)
+
+
+def test_nested_uses_enter_the_mode_once(monkeypatch):
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
+    with fp32_products_where_needed() as outer:
+        with fp32_products_where_needed() as inner:
+            torch.randn(2, 2, dtype=torch.bfloat16) @ torch.randn(2, 2, dtype=torch.bfloat16)
+        assert inner is outer and outer.count == 1
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "0")
+    with fp32_products_where_needed() as mode:
+        assert mode is None
+
+
+def test_every_command_and_every_pipeline_stage_runs_inside_it(monkeypatch, tmp_path):
+    from marlhf_edu import cli
+    from marlhf_edu.stages import pipeline
+
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
+    seen = []
+
+    def record(argv, **kwargs):
+        seen.append(cpu_products._active.mode)
+
+    monkeypatch.setitem(sys.modules, "fake_command", types.SimpleNamespace(main=record))
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_command", "a test command"))
+    assert cli.main(["fake"]) == 0
+    assert isinstance(seen[-1], Fp32Products)
+    assert cpu_products._active.mode is None  # and left again
+
+    spec = {"stages": {"sft": "configs/tiny_sft.yaml", "rm": "configs/tiny_rm.yaml"},
+            "overrides": {n: {"output_dir": str(tmp_path / n)} for n in ("sft", "rm")}}
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    monkeypatch.setattr(pipeline, "release_memory", lambda: None)
+    import marlhf_edu.sources
+    monkeypatch.setattr(marlhf_edu.sources, "resolve_model", lambda ref: None)
+    stages, _ = pipeline.load_pipeline(str(path), [])
+    for stage in stages:
+        stage.module = "fake_command"
+    seen.clear()
+    pipeline.run_pipeline(stages, log=lambda line: None)
+    assert len(seen) == 2 and all(isinstance(m, Fp32Products) for m in seen)
+
+
+@pytest.mark.skipif(not needs_fp32_products(), reason="this CPU has native bf16 kernels: nothing to speed up")
+def test_it_makes_a_7b_wide_backward_fast_here():
+    """Where it is needed, the backward of a 4096 → 11008 bf16 layer (the 7B MLP) takes well under a second per
+    product; PyTorch's own fallback took about 40 s per product on a 2-core AMD EPYC."""
+    import time
+
+    x = torch.randn(128, 4096, dtype=torch.bfloat16, requires_grad=True)
+    layer = torch.nn.Linear(4096, 11008, bias=False, dtype=torch.bfloat16)
+    with fp32_products_where_needed() as mode:
+        start = time.perf_counter()
+        layer(x).float().square().sum().backward()
+        seconds = time.perf_counter() - start
+    assert mode.count == 3 and seconds < 15, seconds
