@@ -96,7 +96,7 @@ def withheld(*functions: Callable):
     (`marlhf_edu.masked_mean`, `marlhf_edu.masked.masked_mean`, a module that
     imported it) all lead to the stub; the original code is restored on exit.
     """
-    targets = [inspect.unwrap(f) for f in functions]
+    targets = [inspect.unwrap(getattr(f, "__func__", f)) for f in functions]  # a classmethod: its function
     saved = [f.__code__ for f in targets]
     for f in targets:
         if f.__code__.co_freevars:  # a closure's code cannot be swapped for one without free variables
@@ -128,10 +128,19 @@ def _withholds(*names: str):
 
 
 def _resolve(path: str) -> Callable:
+    """The function at a dotted path: a module's function, or a class's method (`gguf.quants.Q4_1.dequantize_blocks`)."""
     import importlib
 
-    module, _, attr = path.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            found = getattr(found, attr)
+        return found
+    raise ValueError(f"cannot resolve {path!r}")
 
 
 def _learner(fn: Callable, check: Callable) -> Callable:
@@ -178,9 +187,13 @@ def _run(name: str, cases: list[tuple[str, Callable[[], str | None]]],
     return report
 
 
-def case(label: str, test: Callable[[], bool]) -> CheckReport:
+def case(label: str, test: Callable[[], bool], withhold: Callable | None = None) -> CheckReport:
     """One hand-written case as a report of one case, for `grade`: passes when `test()` returns True; False or an
-    exception fails it (the exception becomes the report line, as in the checkers)."""
+    exception fails it (the exception becomes the report line, as in the checkers). `withhold`: the checker of the
+    same exercise; `test` runs with what that checker withholds withheld (a graded cell's cases all do, so no
+    case can be passed by calling the package's answer)."""
+    if withhold is not None:
+        test = _learner(test, withhold)
     return _run(label, [(label, lambda: None if test() else f"{label}: wrong result")])
 
 
@@ -887,14 +900,15 @@ def check_ipo_margin(fn: Callable, seed: int = 0) -> CheckReport:
     return _run("check_ipo_margin", cases)
 
 
-@_withholds("marlhf_edu.gguf_blocks.dequantize_q4_1")
+@_withholds("marlhf_edu.gguf_blocks.dequantize_q4_1", "gguf.quants.Q4_1.dequantize_blocks")
 def check_dequantize_q4_1(fn: Callable, seed: int = 0) -> CheckReport:
     """Check `fn(raw) -> np.ndarray`: float32 weights of GGUF Q4_1 data (uint8, shape (..., n_blocks · 20)).
 
     Chapter 13's exercise; compared exactly with `marlhf_edu.gguf_blocks.dequantize_q4_1`, itself equal to the
     `gguf` package's dequantizer (d and m are fp16 at bytes 0–3; byte j of the 16 code bytes holds weight j in its
     low nibble and weight j + 16 in its high one). Blocks come from `gguf`'s own quantizer. A non-zero `seed`
-    draws other random weights.
+    draws other random weights. `gguf`'s Q4_1 dequantizer is withheld with ours (`Q4_1.dequantize_blocks`, which
+    `gguf.quants.dequantize` and `Q4_1.dequantize` call).
     """
     import numpy as np
     from gguf.constants import GGMLQuantizationType

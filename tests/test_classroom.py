@@ -183,6 +183,30 @@ def test_points_in_the_course_readme_match_the_graded_cells():
         assert (int(row.group(1)), row.group(2)) == (auto, str(written) if written else "–"), md.stem
 
 
+@pytest.mark.parametrize("stem", ["14_scaling_out", "15_launching_7b"])
+def test_chapters_naming_the_repository_run_from_their_assignment_folder(stem, tmp_path, monkeypatch):
+    """Chapters 14 and 15 name the repository `ROOT = pathlib.Path("..")` and run commands in it; as an
+    assignment (one folder, nothing above it) ROOT is the folder, and every file named under it travels with it,
+    a pipeline file with its stage configs."""
+    from marlhf_edu.stages.pipeline import load_pipeline
+
+    files: set[str] = set()
+    student = book.student_source(nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", 4), stem, files)
+    text = "\n".join(c.source for c in student.cells if c.cell_type == "code")
+    assert 'pathlib.Path("..")' not in text and 'ROOT = pathlib.Path(".")' in text
+    for rel in files:  # as cmd_assignments copies them
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        book._copy_confined(ROOT / rel, tmp_path / rel)
+    named = re.findall(r"[\"']((?:configs|benchmarks)/[\w./-]*\w)[\"']", text)
+    named += ["benchmarks/" + n for n in re.findall(r"BENCH / [\"']([\w./-]+)[\"']", text)]
+    assert named and all((tmp_path / rel).exists() for rel in named), [r for r in named if not (tmp_path / r).exists()]
+    monkeypatch.chdir(tmp_path)
+    if stem == "15_launching_7b":  # the smoke run reads the pipeline and its three stage configs from ROOT
+        stages, _ = load_pipeline("configs/llama2_7b/pipeline.yaml", [])
+        assert [s.name for s in stages] == ["sft", "rm", "ma-ppo"]
+        assert all((tmp_path / s.config).is_file() for s in stages), [s.config for s in stages]
+
+
 def test_assignment_paths_stay_inside_configs_and_benchmarks(tmp_path):
     """Issue 37 item 14: a chapter cell naming `../configs/../../..` must not make an assignment copy files from
     outside the repository's configs/ and benchmarks/, and symbolic links are never followed."""

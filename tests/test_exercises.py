@@ -103,6 +103,46 @@ def test_grade_gives_credit_per_case_and_lists_every_case(capsys):
         ex.grade([], points=1)
 
 
+def test_a_hand_written_case_withholds_what_its_exercises_checker_does():
+    """Issue 36: a graded cell's hand-written `case` runs the learner's code with the package's answer withheld, as
+    the checker does; without `withhold` a learner who called the answer passed it."""
+    from marlhf_edu.masked import masked_mean as answer
+
+    def learner(v, m):  # the chapter 00 learner who calls the package instead of writing it
+        return answer(v, m)
+
+    test = lambda: float(learner(torch.ones(3), torch.ones(3))) == 1.0  # noqa: E731
+    assert ex.case("calls the answer", test)  # nothing withheld: it passes
+    report = ex.case("calls the answer", test, withhold=ex.check_sequence_means)
+    assert not report and "masked_mean is withheld" in report.failures[0]
+    assert float(answer(torch.ones(3), torch.ones(3))) == 1.0  # restored
+
+
+def test_every_graded_case_in_the_book_withholds():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "chapters"
+    calls = [(p.name, m) for p in sorted(root.rglob("*.md"))
+             for m in re.findall(r"checks\.append\(case\(.*?(?=### END HIDDEN TESTS)", p.read_text(), re.S)]
+    assert len(calls) >= 11
+    for name, call in calls:
+        assert "withhold=check_" in call, (name, call)
+
+
+def test_gguf_own_q4_1_dequantizer_is_withheld_too():
+    """Chapter 13's exercise could be passed with `gguf.quants.dequantize`: every gguf path to Q4_1 is withheld."""
+    import gguf.quants
+    from gguf.constants import GGMLQuantizationType
+
+    for learner in (lambda raw: gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1),
+                    lambda raw: gguf.quants.Q4_1.dequantize(raw)):
+        report = ex.check_dequantize_q4_1(learner)
+        assert not report and all("withheld" in f for f in report.failures), report.failures
+    raw = gguf.quants.quantize(torch.randn(2, 32).numpy(), GGMLQuantizationType.Q4_1)
+    assert gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1).shape == (2, 32)  # restored
+
+
 def test_a_learners_warnings_and_stderr_stay_out_of_the_graded_cell(capsys):
     """nbgrader gives a graded cell 0 when anything reaches stderr, whatever its cases say: the checkers keep the
     learner's warnings and stderr lines out of the cell's output."""

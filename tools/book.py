@@ -386,18 +386,26 @@ def plain_roles(nb, stem: str):
     return nb
 
 
+#: how chapters 14 and 15 name the repository, and the paths they name under it
+REPO_ROOT = 'pathlib.Path("..")'
+ROOTED_PATH = r"""["']((?:configs|benchmarks)/[\w./-]*[\w])["']|BENCH / ["']([\w./-]+)["']"""
+
+
 def student_source(nb, stem: str, files: set[str], local_paths: bool = True):
     """The nbgrader source of a chapter: the instructor copy without the answers' `show()`, with paths local, and
     with MyST's cross-references as plain numbers (`plain_roles`: students open it in JupyterLab).
 
     Paths `../configs/X` and `../benchmarks/X` become `configs/X` and `benchmarks/X` (added to `files`, copied
-    next to the notebook): an assignment travels as one folder. With `local_paths=False` they stay as they are
+    next to the notebook): an assignment travels as one folder. A chapter that names the repository
+    `ROOT = pathlib.Path("..")` (14, 15) gets `pathlib.Path(".")`, and the paths it names under it are copied. With `local_paths=False` they stay as they are
     (the learner edition sits beside notebooks/). Outputs are cleared (nbgrader would anyway).
     """
     import nbformat
 
     nb = nbformat.from_dict(json.loads(json.dumps(nb)))  # a deep copy
     hidden = withheld_names(nb)
+    # chapters 14 and 15 name the repository ROOT (a working directory for commands) and paths under it
+    rooted = any(REPO_ROOT in c.source for c in nb.cells if c.cell_type == "code")
     cells = []
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -411,11 +419,21 @@ def student_source(nb, stem: str, files: set[str], local_paths: bool = True):
                 cell.source = "\n".join(lines).strip("\n")
             for found in re.findall(r"\.\./((?:configs|benchmarks)/[\w./-]+)", cell.source):
                 files.add(confined_path(found, stem))
+            if rooted:  # `ROOT / "configs/X"`, `BENCH / "X"`, and "configs/X" given to a command run in ROOT
+                for quoted, bench in re.findall(ROOTED_PATH, cell.source):
+                    files.add(confined_path(quoted or f"benchmarks/{bench}", stem))
             if local_paths:
                 cell.source = re.sub(r"\.\./(configs|benchmarks)/", r"\1/", cell.source)
+                cell.source = cell.source.replace(REPO_ROOT, 'pathlib.Path(".")')  # the assignment's own folder
             cell.outputs, cell.execution_count = [], None
         cells.append(cell)
     nb.cells = cells
+    import yaml
+
+    for rel in [f for f in files if f.startswith("configs/") and f.endswith(".yaml")]:  # a pipeline brings its stages
+        spec = yaml.safe_load((ROOT / rel).read_text())
+        if isinstance(spec, dict) and isinstance(spec.get("stages"), dict):
+            files.update(confined_path(config, stem) for config in spec["stages"].values())
     return plain_roles(nb, stem)
 
 
