@@ -117,3 +117,9 @@ html_theme_options = {
     "home_page_in_toc": True,
 }
 html_show_sourcelink = False
+#: The book's public repository. The project has none yet; once it has, set it here (or in the environment for
+#: one build) and every page gets the theme's repository and issue buttons, next to the download button.
+REPOSITORY_URL = os.environ.get("MARLHF_EDU_REPOSITORY_URL", "")
+if REPOSITORY_URL:
+    html_theme_options.update(repository_url=REPOSITORY_URL, repository_branch="main", path_to_docs="chapters",
+                              use_repository_button=True, use_issues_button=True)

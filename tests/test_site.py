@@ -226,3 +226,16 @@ def test_answers_are_folded_and_closed(browser, site):
     assert page.locator("details.marlhf-answer").first.evaluate("d => d.open")
     page.screenshot(path=str(SHOTS / "chapters_05_gae_answers.png"))
     page.close()
+
+
+def test_the_repository_buttons_appear_once_the_project_has_a_url(monkeypatch):
+    """The theme's repository and issue buttons need the book's public URL, which the project does not have yet:
+    site/conf.py adds them when MARLHF_EDU_REPOSITORY_URL (or its REPOSITORY_URL line) names one."""
+    import runpy
+
+    monkeypatch.delenv("MARLHF_EDU_REPOSITORY_URL", raising=False)
+    conf = runpy.run_path(str(ROOT / "site" / "conf.py"))
+    assert conf["html_theme_options"]["use_download_button"] and "repository_url" not in conf["html_theme_options"]
+    monkeypatch.setenv("MARLHF_EDU_REPOSITORY_URL", "https://example.org/marlhf-edu")
+    options = runpy.run_path(str(ROOT / "site" / "conf.py"))["html_theme_options"]
+    assert options["repository_url"] == "https://example.org/marlhf-edu" and options["use_repository_button"]
