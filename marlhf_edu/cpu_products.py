@@ -4,24 +4,24 @@ The 7B recipe computes in bf16 (chapter 15). On a GPU, and on a CPU whose oneDNN
 a bf16 matrix product multiplies bf16 inputs, accumulates in fp32 and rounds the result to bf16. On a CPU
 without them (AVX2 only: many AMD EPYC and laptop CPUs), PyTorch falls back to a scalar loop for some operand
 layouts, and the backward pass of every `nn.Linear` (gradient = grad_output @ W, W not transposed) takes that
-path. Measured on a 2-core AMD EPYC (AVX2, torch 2.13.0+cpu), for a (128 × 11008) @ (11008 × 4096) product:
-
-| product | seconds |
-|---|---|
-| fp32 | 0.08 |
-| bf16, PyTorch's kernel | 40.9 |
-| bf16, in `Fp32Products` (both inputs converted to fp32, the result rounded) | 0.16 |
-
-The 7B-shaped smoke run (chapter 15, `tests/test_pipeline_7b.py`) hit CI's 15-minute limit there; inside this
-mode its whole pipeline took 3 min 45 s on the same machine.
+path. One (128 × 11008) @ (11008 × 4096) bf16 product, on a 2-core AMD EPYC without AVX-512 (torch
+2.13.0+cpu), took 40.9 s with PyTorch's kernel, 0.16 s in `Fp32Products` (both inputs converted to fp32, the
+result rounded), against 0.08 s for the same product in fp32. The 7B-shaped smoke run (chapter 15,
+`tests/test_pipeline_7b.py`) hit CI's 15-minute limit there; with this mode `marlhf-edu pipeline` ran it in
+3 min 45 s on the same machine.
 
 `fp32_products_where_needed()` makes those products fast without changing what they compute: inside it, on a CPU
-without native kernels, `mm`, `addmm`, `bmm` and `baddbmm` whose tensors are all bf16 (or all fp16) are computed
-in fp32 and rounded to that dtype, forward and backward (a `TorchDispatchMode` sees the autograd engine's
-products too). Inputs, outputs and every other operation keep their dtype; the result is the same product up to
-the order of the fp32 sums. Where the CPU has native kernels, or on a machine with a GPU, it does nothing. Every
-`marlhf-edu` command and every stage `run_pipeline` starts runs inside it. `MARLHF_EDU_FP32_PRODUCTS=1` turns
-it on everywhere (tests), `=0` off.
+without bf16 kernels, `mm`, `addmm`, `bmm` and `baddbmm` whose tensors are all of a dtype this CPU has no
+kernels for (bf16, and fp16 where it has none either) are computed in fp32 and rounded to that dtype, forward
+and backward (a `TorchDispatchMode` also sees the products the autograd engine runs). Inputs, outputs and every
+other operation keep their dtype; the result is the same product up to the order of the fp32 sums. Other
+operations are not rerouted: `mv`, `addmv`, `dot`, `.out` overloads, and fused CPU attention
+(`_scaled_dot_product_flash_attention_for_cpu`) run PyTorch's own kernels. Costs: every operation passes
+through the mode's Python dispatch while it is on, and each rerouted product holds fp32 copies of its two inputs
+for its duration (0.5 GiB for a 7B language-model head). Where the CPU has bf16 kernels, or on a machine with a
+GPU, it is off (a CPU-only run on a GPU host can set `MARLHF_EDU_FP32_PRODUCTS=1`). Every `marlhf-edu` command
+and every stage `run_pipeline` starts runs inside it. `MARLHF_EDU_FP32_PRODUCTS=1` turns it on everywhere, `=0`
+off.
 
 Taught in chapter 15.
 """
@@ -42,44 +42,54 @@ _active = threading.local()
 
 
 def native_low_precision_products(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether this CPU's PyTorch has oneDNN kernels for `dtype` matrix products (AVX-512 or AMX for bf16)."""
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if dtype == torch.float16:
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return True
+    """Whether this CPU's PyTorch has oneDNN kernels for `dtype` matrix products (bf16: AVX-512 or AMX; fp16:
+    AVX512-FP16 or AVX2-VNNI-2). A PyTorch built without oneDNN has none."""
+    if dtype not in LOW_PRECISION:
+        return True
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        check = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+        return bool(check())
+    except (AttributeError, RuntimeError):  # a build without these private checks: assume the slow path
+        return False
+
+
+def slow_dtypes() -> tuple[torch.dtype, ...]:
+    """The low-precision dtypes whose products `Fp32Products` computes in fp32 here: none where the CPU has bf16
+    kernels (the recipe's dtype) or the machine has a GPU; else those without kernels.
+    `MARLHF_EDU_FP32_PRODUCTS` = 1 (both) / 0 (none) forces the answer."""
+    forced = os.environ.get("MARLHF_EDU_FP32_PRODUCTS", "")
+    if forced in ("0", "1"):
+        return LOW_PRECISION if forced == "1" else ()
+    if torch.cuda.is_available() or native_low_precision_products(torch.bfloat16):
+        return ()
+    return tuple(d for d in LOW_PRECISION if not native_low_precision_products(d))
 
 
 def needs_fp32_products() -> bool:
-    """True when bf16 or fp16 products should be computed in fp32 here (see the module docstring): a CPU without
-    native kernels and no GPU (a GPU run keeps its products on the GPU and needs no dispatch on every operation).
-    `MARLHF_EDU_FP32_PRODUCTS` = 1 / 0 forces the answer."""
-    forced = os.environ.get("MARLHF_EDU_FP32_PRODUCTS", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    if torch.cuda.is_available():
-        return False
-    return not all(native_low_precision_products(d) for d in LOW_PRECISION)
+    """True when the mode is on here (`slow_dtypes()` is not empty)."""
+    return bool(slow_dtypes())
 
 
 class Fp32Products(TorchDispatchMode):
-    """Computes CPU `mm` / `addmm` / `bmm` / `baddbmm` of bf16 (or fp16) tensors in fp32 and rounds the result
-    to their dtype. `count` tallies the products it computed (tests read it)."""
+    """Computes CPU `mm` / `addmm` / `bmm` / `baddbmm` whose tensors are all of one of `dtypes` (bf16 and fp16 by
+    default) in fp32 and rounds the result to that dtype. `count` tallies the products it computed (tests read it)."""
 
     OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default)
 
-    def __init__(self):
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = LOW_PRECISION):
         super().__init__()
-        self.count = 0
+        self.dtypes, self.count = tuple(dtypes), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self.OPS:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             dtype = tensors[0].dtype
-            if (dtype in LOW_PRECISION and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
-                    and not kwargs.get("out_dtype")):
+            if dtype in self.dtypes and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors):
                 self.count += 1
                 up = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
                 return func(*up, **kwargs).to(dtype)
@@ -88,12 +98,13 @@ class Fp32Products(TorchDispatchMode):
 
 @contextlib.contextmanager
 def fp32_products_where_needed():
-    """Inside: bf16/fp16 CPU products in fp32 where this CPU has no native kernel for them (else nothing).
-    Nested uses enter the mode once. Yields the `Fp32Products` mode, or None where it is not needed."""
-    if getattr(_active, "mode", None) is not None or not needs_fp32_products():
+    """Inside: the CPU products of `slow_dtypes()` in fp32 (nothing where that is empty). Nested uses enter the
+    mode once. Yields the `Fp32Products` mode, or None where it is off."""
+    dtypes = slow_dtypes()
+    if getattr(_active, "mode", None) is not None or not dtypes:
         yield getattr(_active, "mode", None)
         return
-    with Fp32Products() as mode:
+    with Fp32Products(dtypes) as mode:
         _active.mode = mode
         try:
             yield mode

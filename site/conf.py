@@ -121,5 +121,5 @@ html_show_sourcelink = False
 #: one build) and every page gets the theme's repository and issue buttons, next to the download button.
 REPOSITORY_URL = os.environ.get("MARLHF_EDU_REPOSITORY_URL", "")
 if REPOSITORY_URL:
-    html_theme_options.update(repository_url=REPOSITORY_URL, repository_branch="main", path_to_docs="chapters",
+    html_theme_options.update(repository_url=REPOSITORY_URL, repository_branch="main",
                               use_repository_button=True, use_issues_button=True)

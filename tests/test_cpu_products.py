@@ -45,30 +45,47 @@ def test_batched_products_and_fp16_are_covered_and_fp32_or_mixed_ones_left_alone
         assert mode.count == 2
         torch.bmm(a, b)                                # fp32: nothing to do
         torch.mm(a[0], b[0])
+        with pytest.raises(RuntimeError):              # mixed: PyTorch's own error, as without the mode
+            torch.mm(a[0].bfloat16(), b[0])
         assert mode.count == 2
     assert half.dtype == torch.float16 and torch.equal(half, torch.bmm(a.half().float(), b.half().float()).half())
+    with Fp32Products(dtypes=(torch.float16,)) as mode:  # bf16 has kernels here: left to PyTorch
+        torch.mm(a[0].bfloat16(), b[0].bfloat16())
+        torch.mm(a[0].half(), b[0].half())
+    assert mode.count == 1
+
+
+def no_kernels_for(*missing):
+    return lambda dtype=torch.bfloat16: dtype not in missing
 
 
 def test_when_it_is_needed(monkeypatch):
     monkeypatch.delenv("MARLHF_EDU_FP32_PRODUCTS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(cpu_products, "native_low_precision_products", lambda dtype=torch.bfloat16: False)
-    assert needs_fp32_products()
-    monkeypatch.setattr(cpu_products, "native_low_precision_products", lambda dtype=torch.bfloat16: True)
+    bf16, fp16 = torch.bfloat16, torch.float16
+    monkeypatch.setattr(cpu_products, "native_low_precision_products", no_kernels_for(bf16, fp16))  # an AVX2 CPU
+    assert cpu_products.slow_dtypes() == (bf16, fp16) and needs_fp32_products()
+    monkeypatch.setattr(cpu_products, "native_low_precision_products", no_kernels_for())
+    assert cpu_products.slow_dtypes() == () and not needs_fp32_products()
+    # an AVX-512 CPU with bf16 kernels but none for fp16: the recipe's bf16 is fast, so the mode stays off
+    monkeypatch.setattr(cpu_products, "native_low_precision_products", no_kernels_for(fp16))
     assert not needs_fp32_products()
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
-    assert needs_fp32_products()
+    assert cpu_products.slow_dtypes() == (bf16, fp16)
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "0")
-    monkeypatch.setattr(cpu_products, "native_low_precision_products", lambda dtype=torch.bfloat16: False)
+    monkeypatch.setattr(cpu_products, "native_low_precision_products", no_kernels_for(bf16, fp16))
     assert not needs_fp32_products()
     monkeypatch.delenv("MARLHF_EDU_FP32_PRODUCTS")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU run keeps its products on the GPU
     assert not needs_fp32_products()
 
 
-def test_the_detection_asks_onednn():
-    assert cpu_products.native_low_precision_products(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def test_the_detection_asks_onednn(monkeypatch):
+    expected = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert cpu_products.native_low_precision_products(torch.bfloat16) == expected
     assert cpu_products.native_low_precision_products(torch.float32)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # a build without oneDNN
+    assert not cpu_products.native_low_precision_products(torch.float16)
 
 
 def test_nested_uses_enter_the_mode_once(monkeypatch):
@@ -89,13 +106,14 @@ def test_every_command_and_every_pipeline_stage_runs_inside_it(monkeypatch, tmp_
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
     seen = []
 
-    def record(argv, **kwargs):
-        seen.append(cpu_products._active.mode)
+    def record(argv, **kwargs):  # a command: its bf16 product must go through the mode
+        torch.ones(2, 2, dtype=torch.bfloat16) @ torch.ones(2, 2, dtype=torch.bfloat16)
+        seen.append((cpu_products._active.mode, cpu_products._active.mode.count))
 
     monkeypatch.setitem(sys.modules, "fake_command", types.SimpleNamespace(main=record))
     monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_command", "a test command"))
     assert cli.main(["fake"]) == 0
-    assert isinstance(seen[-1], Fp32Products)
+    assert isinstance(seen[-1][0], Fp32Products) and seen[-1][1] == 1
     assert cpu_products._active.mode is None  # and left again
 
     spec = {"stages": {"sft": "configs/tiny_sft.yaml", "rm": "configs/tiny_rm.yaml"},
@@ -110,7 +128,7 @@ def test_every_command_and_every_pipeline_stage_runs_inside_it(monkeypatch, tmp_
         stage.module = "fake_command"
     seen.clear()
     pipeline.run_pipeline(stages, log=lambda line: None)
-    assert len(seen) == 2 and all(isinstance(m, Fp32Products) for m in seen)
+    assert len(seen) == 2 and all(isinstance(m, Fp32Products) and count == 1 for m, count in seen)
 
 
 @pytest.mark.skipif(not needs_fp32_products(), reason="this CPU has native bf16 kernels: nothing to speed up")

@@ -119,15 +119,23 @@ def test_a_hand_written_case_withholds_what_its_exercises_checker_does():
 
 
 def test_every_graded_case_in_the_book_withholds():
+    """Each hand-written `case(` in a graded cell names, as `withhold=`, a checker that the same cell runs."""
     import pathlib
     import re
 
     root = pathlib.Path(__file__).resolve().parents[1] / "chapters"
-    calls = [(p.name, m) for p in sorted(root.rglob("*.md"))
-             for m in re.findall(r"checks\.append\(case\(.*?(?=### END HIDDEN TESTS)", p.read_text(), re.S)]
-    assert len(calls) >= 11
-    for name, call in calls:
-        assert "withhold=check_" in call, (name, call)
+    cells = [(p.name, cell) for p in sorted(root.rglob("*.md"))
+             for cell in re.findall(r"^# graded: .*?^```", p.read_text(), re.S | re.M)]
+    assert len(cells) >= 17
+    seen = 0
+    for name, cell in cells:
+        calls = re.split(r"\bcase\(", cell)[1:]
+        for call in calls:
+            seen += 1
+            named = re.search(r"withhold=(check_\w+)", call.split("case(")[0])
+            assert named, (name, call[:80])
+            assert re.search(rf"\b{named.group(1)}\(", cell.replace(f"withhold={named.group(1)}", "")), (name, named)
+    assert seen >= 11
 
 
 def test_gguf_own_q4_1_dequantizer_is_withheld_too():

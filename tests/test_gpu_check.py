@@ -26,10 +26,10 @@ def record(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-#: a check that measures rounding rather than a defect: the bf16 merged copy's share of the policy's move sits near
-#: its 90 % line on a CPU (0.892 on an AMD EPYC, above 0.9 on an Intel Xeon: the kernels' sums differ) and fell
-#: below it on the H100 (0.79, benchmarks/gpu_check.json). On a GPU it is what the record reports; here it is
-#: compared with the fp32 copy's instead (test below)
+#: a check whose outcome on this reduced CPU model depends on the CPU, so the tool's test cannot require it: the
+#: bf16 merged copy's share of the policy's move sits at its 90 % line here (0.892 on an AMD EPYC without AVX-512,
+#: above 0.9 on an Intel Xeon: their bf16 kernels sum in different orders). On the H100 both copies fell below
+#: it (bf16 0.786, fp32 0.770; benchmarks/gpu_check.json): there it is a finding the record reports
 ROUNDING_CHECKS = {"bf16 merged copy keeps >= 90 % of the policy's move"}
 
 
@@ -59,8 +59,7 @@ def test_the_sampling_part_sees_bf16_rounding_of_the_lora_update(record):
     assert abs(s["perturbation_rms"] - 1e-4) < 1e-6
     assert s["merged_bf16"]["delta_relative_error_in_weights"] > 0.1
     assert s["merged_fp32"]["delta_relative_error_in_weights"] == 0.0
-    # and so keeps less of the policy's move than the fp32 copy does
-    assert 0 < s["merged_bf16"]["share_of_policy_move_kept"] < s["merged_fp32"]["share_of_policy_move_kept"]
+    assert 0.5 < s["merged_bf16"]["share_of_policy_move_kept"] < 1.5  # measured (its 90 % line: see ROUNDING_CHECKS)
     assert set(s["generate"]) == {"adapter", "merged"} and set(s["update"]) == {"micro_batch_1", "micro_batch_2"}
 
 
