@@ -15,8 +15,9 @@ without bf16 kernels, `mm`, `addmm`, `bmm` and `baddbmm` whose tensors are all o
 kernels for (bf16, and fp16 where it has none either) are computed in fp32 and rounded to that dtype, forward
 and backward (a `TorchDispatchMode` also sees the products the autograd engine runs). Inputs, outputs and every
 other operation keep their dtype; the result is the same product up to the order of the fp32 sums. Other
-operations are not rerouted: `mv`, `addmv`, `dot`, `.out` overloads, and fused CPU attention
-(`_scaled_dot_product_flash_attention_for_cpu`) run PyTorch's own kernels. Costs: every operation passes
+operations are not rerouted: `mv`, `addmv`, `dot`, `.out` overloads, fused CPU attention
+(`_scaled_dot_product_flash_attention_for_cpu`) and the products inside a custom operator (bitsandbytes' 4-bit
+forward, whose x @ Wᵀ layout PyTorch computes at 0.5 s for the product above) run PyTorch's own kernels. Costs: every operation passes
 through the mode's Python dispatch while it is on, and each rerouted product holds fp32 copies of its two inputs
 for its duration (0.5 GiB for a 7B language-model head). Where the CPU has bf16 kernels, or on a machine with a
 GPU, it is off (a CPU-only run on a GPU host can set `MARLHF_EDU_FP32_PRODUCTS=1`). Every `marlhf-edu` command
