@@ -397,10 +397,12 @@ def student_source(nb, stem: str, files: set[str], local_paths: bool = True):
 
     Paths `../configs/X` and `../benchmarks/X` become `configs/X` and `benchmarks/X` (added to `files`, copied
     next to the notebook): an assignment travels as one folder. A chapter that names the repository
-    `ROOT = pathlib.Path("..")` (14, 15) gets `pathlib.Path(".")`, and the paths it names under it are copied. With `local_paths=False` they stay as they are
-    (the learner edition sits beside notebooks/). Outputs are cleared (nbgrader would anyway).
+    `ROOT = pathlib.Path("..")` (14, 15) gets `pathlib.Path(".")`, and the paths it names under it are copied; a
+    pipeline file brings its stage configs. With `local_paths=False` paths stay as they are (the learner edition
+    sits beside notebooks/). Outputs are cleared (nbgrader would anyway).
     """
     import nbformat
+    import yaml
 
     nb = nbformat.from_dict(json.loads(json.dumps(nb)))  # a deep copy
     hidden = withheld_names(nb)
@@ -428,8 +430,6 @@ def student_source(nb, stem: str, files: set[str], local_paths: bool = True):
             cell.outputs, cell.execution_count = [], None
         cells.append(cell)
     nb.cells = cells
-    import yaml
-
     for rel in [f for f in files if f.startswith("configs/") and f.endswith(".yaml")]:  # a pipeline brings its stages
         spec = yaml.safe_load((ROOT / rel).read_text())
         if isinstance(spec, dict) and isinstance(spec.get("stages"), dict):
