@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, BadRowError, DataFileError) as err:  # a user's mistake: one line that says what and where, no traceback
         print(f"marlhf-edu {argv[0]}: {err}", file=sys.stderr)
         return 2
+    except SystemExit as err:
+        if not err.code:  # `marlhf-edu COMMAND --help` printed its options
+            return 0
+        raise
     return 0
 
 

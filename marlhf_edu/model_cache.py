@@ -182,11 +182,14 @@ def entries(root: pathlib.Path | None = None) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     import sys
 
-
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: marlhf-edu cache list | marlhf-edu cache clean [NAME ...] (NAME as `cache list` prints it; "
+             "no name: every entry)")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return
     if not argv or argv[0] not in ("list", "clean"):
-        raise ConfigError("usage: marlhf-edu cache list | marlhf-edu cache clean [NAME ...] (NAME as `cache list` "
-                          "prints it; no name: every entry)")
+        raise ConfigError(usage)
     root = cache_dir()
     found = entries(root)
     if argv[0] == "list":

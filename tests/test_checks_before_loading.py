@@ -296,3 +296,15 @@ def test_every_stage_that_scores_with_a_reward_adapter_checks_its_head_before_lo
                       "--reward_adapter_path", str(adapter)])
         with pytest.raises(ConfigError, match="--reward_adapter: .*" + message):
             evaluate.main(["--model", "zoo", "--reward_adapter", str(adapter), "--reward_base", str(SFT_DIR)])
+
+
+@pytest.mark.parametrize("command", ["sft", "rm", "ppo", "ma-ppo", "dpo", "grpo", "pipeline", "merge", "evaluate",
+                                     "generate", "memory", "preflight", "zoo", "cache"])
+def test_a_commands_help_is_no_error(command, capsys, no_loading):
+    """`marlhf-edu COMMAND --help` prints the command's options and exits 0 (argparse's exit after help was once
+    reported as an invalid configuration value, rc 2)."""
+    from marlhf_edu.cli import main
+
+    assert main([command, "--help"]) == 0
+    captured = capsys.readouterr()
+    assert "usage:" in captured.out and "invalid" not in captured.err

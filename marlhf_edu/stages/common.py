@@ -71,6 +71,8 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
     try:
         parsed = parser.parse_args_and_config(argv)
     except SystemExit as err:  # argparse exits on a bad value; turn it into an error a caller can catch
+        if not err.code:  # --help printed the options and exits 0: that is no error
+            raise
         raise ConfigError(f"invalid configuration value (see the message above): {argv}") from err
     except ValueError as err:  # a config class refusing its own values (trl/transformers __post_init__)
         if isinstance(err, ConfigError):

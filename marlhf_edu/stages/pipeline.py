@@ -327,6 +327,9 @@ def release_memory() -> None:
 def main(argv: list[str] | None = None):
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # the module's docstring is the command's help
+        print("usage: " + __doc__.split("\n\n", 2)[1].strip() + "\n\n" + __doc__.split("\n\n", 2)[2])
+        return None
     if "--config" not in argv or argv.index("--config") + 1 >= len(argv):
         raise ConfigError("pipeline: pass --config PIPELINE.yaml (a file listing the stages' configs)")
     i = argv.index("--config")
