@@ -159,3 +159,14 @@ def test_no_module_reaches_upward_for_an_error_class():
     upward = [str(p.relative_to(ROOT)) for p in (ROOT / "marlhf_edu").rglob("*.py")
               if "stages" not in p.parts and "stages.common import ConfigError" in p.read_text()]
     assert upward == [], upward
+
+
+def test_torch_floor_is_one_whose_weights_only_load_is_safe():
+    """Issue 37: resume trusts `torch.load(weights_only=True)` to refuse a crafted pickle, and torch <= 2.5.1 could
+    be made to run code through it (CVE-2025-32434). pyproject must not allow those versions."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [d for d in deps if re.match(r"torch\b", d)]
+    floor = re.search(r">=\s*(\d+)\.(\d+)", torch_req)
+    assert floor and (int(floor[1]), int(floor[2])) >= (2, 6), torch_req
