@@ -67,7 +67,9 @@ class ModelSource:
     @classmethod
     def parse(cls, ref, *, recorded: bool = False) -> "ModelSource":
         """Classify `ref`. `recorded=True` is for a base an adapter recorded: a bare `owner/name` that is no
-        folder here is then a hub id (peft's own format), where in a config it is an error."""
+        folder here is then a hub id (peft's own format), where in a config it is an error, unless it can only
+        be a local folder gone missing (its first component is a folder here, or `runs`, where the configs write):
+        that is an error too, never a download of whatever the hub holds under the name."""
         from marlhf_edu.models import ASSETS, SFT_DIR
 
         ref = str(ref)
@@ -95,9 +97,9 @@ class ModelSource:
             return cls._local(ref, path)
         if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
             raise ConfigError(f"model {ref!r}: no such directory")
-        if recorded:
-            return cls("hub", ref, ref)
         first = ref.split("/")[0]
+        if recorded and not (ref.count("/") and (first in OUTPUT_ROOTS or pathlib.Path(first).expanduser().is_dir())):
+            return cls("hub", ref, ref)
         where = (f"no such folder ({first}/ exists here: if an earlier stage writes {ref}, run that stage first)"
                  if ref.count("/") and pathlib.Path(first).expanduser().is_dir() else "no such folder or model")
         raise ConfigError(f"model {ref!r}: {where}; a model on the Hugging Face hub is written hf:{ref} "
@@ -112,6 +114,10 @@ class ModelSource:
             return cls("directory", ref, str(path))
         raise ConfigError(f"model {ref!r}: {path} holds neither config.json (a model) nor adapter_config.json "
                           "(a LoRA adapter)")
+
+
+#: Where the book's configs write their runs: a reference under one of these is a local path, never a hub id.
+OUTPUT_ROOTS = ("runs",)
 
 
 @contextlib.contextmanager
@@ -180,7 +186,11 @@ def adapter_base(adapter_dir) -> str:
         raise ConfigError(f"{path} names no base_model_name_or_path")
     if base.startswith(("./", "../")):  # recorded relative to the adapter's folder (zoo.relative_base_path)
         return str((pathlib.Path(adapter_dir) / base).resolve())
-    source = ModelSource.parse(base, recorded=True)
+    try:
+        source = ModelSource.parse(base, recorded=True)
+    except ConfigError as error:  # a local base gone missing, or recorded relative to another working directory
+        raise ConfigError(f"{path} records its base as {base!r}, which is not here: {error}. Run from the folder "
+                          "it was trained in, or set base_model_name_or_path in that file to the base's path") from None
     return HUB_PREFIX + source.location if source.kind == "hub" and not base.startswith(HUB_PREFIX) else base
 
 

@@ -225,6 +225,31 @@ def test_a_missing_local_folder_is_never_looked_up_on_the_hub(tmp_path, monkeypa
     assert ModelSource.parse("meta-llama/Llama-2-7b-hf", recorded=True).kind == "hub"
 
 
+def test_a_recorded_local_base_gone_missing_is_never_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """`runs/tiny_rm` records `runs/tiny_sft` (configs/tiny_rm.yaml). With that folder gone, or from another working
+    directory, the recorded base is an error naming the adapter's config, not a download of `runs/tiny_sft` from
+    the hub (issue 37). A recorded owner/name whose first component is no folder here is still peft's hub id."""
+    import huggingface_hub
+
+    from marlhf_edu.sources import adapter_base
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("looked up on the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    monkeypatch.chdir(tmp_path)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (tmp_path / "mine").mkdir()
+    for recorded in ("runs/tiny_sft", "mine/sft"):  # a config's output folder; a folder whose parent is here
+        (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": recorded, "task_type": "CAUSAL_LM"}))
+        with pytest.raises(ConfigError, match=rf"adapter_config.json records its base as '{recorded}', which is "
+                                              r"not here: .*no such folder"):
+            adapter_base(adapter)  # what merging the adapter into its base (materialize_adapter) asks first
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "meta-llama/Llama-2-7b-hf"}))
+    assert adapter_base(adapter) == "hf:meta-llama/Llama-2-7b-hf"
+
+
 def test_adapter_base_reads_a_recorded_hub_id_as_one(tmp_path):
     from marlhf_edu.sources import adapter_base
     from marlhf_edu.stages.common import record_base
