@@ -111,6 +111,27 @@ def test_evaluate_a_trained_policy_as_the_engine_evaluates_it(trained, tmp_path)
         evaluate(["--judge", "gold"])
 
 
+def test_merge_never_overwrites_a_base_named_by_reference(trained, tmp_path, monkeypatch):
+    """The policy records its base as `zoo` (the shipped tiny SFT model), not as a path: the merge resolves the
+    reference, so the shipped model's folder is refused as output too, --overwrite or not (issue 37 item 8). The
+    shipped folder is a copy here, so a broken check cannot damage the real one."""
+    import shutil
+
+    from marlhf_edu import models
+    from marlhf_edu.stages.merge import merge_inputs
+
+    out, _ = trained
+    policy = out / "policy"
+    copy = tmp_path / "tiny_sft"
+    shutil.copytree(models.SFT_DIR, copy)
+    monkeypatch.setattr(models, "SFT_DIR", copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
+    assert merge_inputs(policy) == {policy.resolve(), copy.resolve()}
+    with pytest.raises(ConfigError, match="is the adapter or its base"):
+        merge(["--adapter", str(policy), "--output_dir", str(copy), "--overwrite", "true", "--dtype", "float32"])
+    assert {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()} == before
+
+
 def test_merge_never_overwrites_unless_asked_and_never_its_inputs(trained, tmp_path):
     """Issue 37 item 8: a non-empty output folder is refused without --overwrite, the adapter or its base always;
     the merge is written beside the target and renamed, so no temporary folder is left."""

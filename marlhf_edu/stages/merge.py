@@ -15,6 +15,7 @@ about as much host RAM, and slower).
 
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass, field
 
 from marlhf_edu.errors import ConfigError
@@ -46,11 +47,29 @@ def _sample_batch(tokenizer, n: int):
     return tokenizer(texts, return_tensors="pt", padding=True)
 
 
+def merge_inputs(adapter: pathlib.Path) -> set[pathlib.Path]:
+    """Every local folder or file a merge of `adapter` reads: the adapter, the base it records wherever that
+    reference points (`zoo`, `zoo/NAME`, a shipped GGUF, a path), and that base's own base when it is an adapter
+    too (an SFT adapter under a policy adapter). A hub base is downloaded to the hub's cache, not read in place."""
+    from marlhf_edu.sources import ModelSource, adapter_base
+
+    found = {adapter.resolve()}
+    source = ModelSource.parse(adapter_base(adapter))
+    while source.kind != "hub":
+        location = pathlib.Path(source.location).resolve()
+        if location in found:  # an adapter that records itself: nothing more to read
+            break
+        found.add(location)
+        if source.kind != "adapter":
+            break
+        source = ModelSource.parse(adapter_base(location))
+    return found
+
+
 def merge(args: MergeArguments) -> dict:
     """Merge, check, save; returns the check's numbers."""
     import json
     import os
-    import pathlib
 
     import torch
     from peft import PeftModel
@@ -77,7 +96,7 @@ def merge(args: MergeArguments) -> dict:
     base_ref = adapter_base(adapter)  # a bare hub id peft recorded reads as hf:owner/name
     out = pathlib.Path(args.output_dir)
     # never write over what the merge reads: the base would then carry the delta, and the adapter apply it twice
-    protected = {adapter.resolve()} | ({pathlib.Path(base_ref).resolve()} if pathlib.Path(base_ref).exists() else set())
+    protected = merge_inputs(adapter)
     if out.resolve() in protected or any(p in out.resolve().parents for p in protected):
         raise ConfigError(f"--output_dir {out} is the adapter or its base (or inside one): choose another folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
