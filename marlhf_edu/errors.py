@@ -20,6 +20,11 @@ class DataFileError(ValueError):
 class BadRowError(ValueError):
     """A row that cannot be converted; `row` is its 0-based index, `field` the offending key."""
 
-    def __init__(self, row: int, field: str, reason: str):
-        self.row, self.field, self.reason = row, field, reason
-        super().__init__(f"row {row}, field {field!r}: {reason}")
+    def __init__(self, row: int, field: str, reason: str, source: str = "", hint: str = ""):
+        self.row, self.field, self.reason, self.source = row, field, reason, source
+        super().__init__(f"{source + ': ' if source else ''}row {row}, field {field!r}: {reason}"
+                         + (f"; {hint}" if hint else ""))
+
+    def refused_in(self, source, hint: str = "skip_bad_rows: true skips such rows and counts them") -> "BadRowError":
+        """The same error naming the file (or dataset) it came from and what to do about it."""
+        return BadRowError(self.row, self.field, self.reason, source=str(source), hint=hint)

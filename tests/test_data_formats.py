@@ -101,7 +101,8 @@ def test_loaders_read_files_and_report_skips(tmp_path):
             {"question": "q4", "response_chosen": "c", "response_rejected": "d"}]
     path = tmp_path / "prefs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    with pytest.raises(BadRowError, match="row 1, field 'response_rejected'"):
+    with pytest.raises(BadRowError, match=r"prefs.jsonl: row 1, field 'response_rejected': .*; skip_bad_rows: true "
+                                          "skips such rows"):
         load_preferences(str(path), "generic")
     with pytest.warns(UserWarning, match="kept 2 of 4 rows, skipped 2"):
         ds, report = load_preferences(str(path), "generic", skip_bad_rows=True, return_report=True)
@@ -176,3 +177,17 @@ def test_a_hub_dataset_that_cannot_be_reached_is_a_data_error_naming_what_the_na
                      "--dataset_name", "someone/prefs", "--output_dir", str(tmp_path / "rm")]) == 2
     err = capsys.readouterr().err
     assert "could not be read" in err and "Traceback" not in err
+
+
+def test_a_bad_row_from_the_command_line_is_one_line_naming_file_row_and_fix(tmp_path, capsys):
+    """Issue 37 item 12: a bad row reached the command line inside a traceback, naming neither the file nor the fix."""
+    from marlhf_edu import cli
+
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(json.dumps({"question": "q", "response_chosen": "a", "response_rejected": "b"}) + "\n"
+                    + json.dumps({"question": "q", "response_chosen": "", "response_rejected": "b"}) + "\n")
+    assert cli.main(["rm", "--config", "configs/tiny_rm.yaml", "--model_name_or_path", "zoo", "--dataset_name",
+                     str(path), "--dataset_format", "generic", "--output_dir", str(tmp_path / "rm")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"{path}: row 1, field 'response_chosen'" in err and "skip_bad_rows: true" in err

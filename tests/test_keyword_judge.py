@@ -378,7 +378,7 @@ def test_rm_stage_adds_the_pairs_of_a_file_and_names_a_bad_row(tmp_path, capsys)
     assert out.to_list() == rows + extra[:1]  # the second is too long for max_tokens
     assert f"file pairs: added 1 of 2 candidates (from {path}) to 1 pairs" in capsys.readouterr().out
     path.write_text(json.dumps(extra[0]) + "\n" + json.dumps({"prompt": "Q", "chosen": "a"}) + "\n")
-    with pytest.raises(BadRowError, match=r"row 1, field 'rejected'.*in extra_pairs_file .*pairs.jsonl"):
+    with pytest.raises(BadRowError, match=r"extra_pairs_file .*pairs.jsonl: row 1, field 'rejected': .*; fix the row"):
         with_file_pairs(datasets.Dataset.from_list(rows), tok, args)
     with pytest.raises(DataFileError, match="no such data file"):
         with_file_pairs(datasets.Dataset.from_list(rows), tok, RMScriptArguments(extra_pairs_file=str(tmp_path / "x.jsonl")))

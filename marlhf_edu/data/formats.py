@@ -327,13 +327,13 @@ def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, sys
             out.append(convert(row, i, template=template))
         except BadRowError as err:
             if not skip_bad_rows:
-                raise
+                raise err.refused_in(source) from None
             report.skipped.append(err)
     report.kept = len(out)
     with_margin = [("margin" in r) for r in out]
     if any(with_margin) and not all(with_margin):
         first = with_margin.index(False)
-        raise BadRowError(first, "margin", "some rows have a margin and this one has none")
+        raise BadRowError(first, "margin", "some rows have a margin and this one has none", source=str(source))
     if not out:
         raise DataFileError(f"no usable rows in {source!r}: {report.summary()}")
     if report.skipped:

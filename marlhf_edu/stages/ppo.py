@@ -50,7 +50,7 @@ def load_prompts(config, tokenizer=None) -> list[str]:
                 prompts.append(hh_rlhf_to_preference(row, i, template=template)["prompt"])
             except BadRowError as err:
                 if not config.skip_bad_rows:
-                    raise
+                    raise err.refused_in(config.dataset_name) from None
                 skipped.append(err)
             continue
         text = row.get("prompt") if isinstance(row, dict) else None

@@ -140,7 +140,7 @@ def with_file_pairs(dataset, tokenizer, script_args):
     try:
         extra = load_preferences(path, "trl", tokenizer=tokenizer).to_list()
     except BadRowError as err:
-        raise BadRowError(err.row, err.field, f"{err.reason} (in extra_pairs_file {path})") from None
+        raise err.refused_in(f"extra_pairs_file {path}", hint="fix the row: these pairs are never skipped") from None
     return _append_pairs(dataset, extra, tokenizer, script_args, "file pair", f"from {path}")
 
 
