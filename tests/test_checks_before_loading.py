@@ -84,6 +84,68 @@ def test_grpo_checks_its_prompts_and_reward_adapter_before_loading(tmp_path, no_
               "--eval_repeats", "0"])
 
 
+def test_grpo_honours_max_rows_and_refuses_max_tokens(tmp_path, no_loading, capsys):
+    """Issue 37 item 6: GRPO inherited max_rows and max_tokens from the data arguments and ignored both."""
+    from marlhf_edu.stages.grpo import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(5)))
+    base = ["--config", "configs/tiny_grpo.yaml", "--output_dir", str(tmp_path / "grpo"), "--dataset_name",
+            str(prompts), "--dataset_format", "prompt", "--eval_repeats", "0"]
+    with pytest.raises(ConfigError, match="max_tokens keeps preference or SFT rows.*max_prompt_length"):
+        main([*base, "--max_tokens", "64"])
+    with pytest.raises(AssertionError, match="a model was loaded"):  # the checks passed; loading is the next step
+        main([*base, "--max_rows", "2"])
+    assert "prompts: using the first 2 of 5 (max_rows)" in capsys.readouterr().out
+
+
+@pytest.fixture
+def foreign_reward_adapter(tmp_path):
+    """The shipped tiny reward adapter, but recording another base than the one it would be put on."""
+    import json
+    import shutil
+
+    from marlhf_edu.models import REWARD_ADAPTER_DIR
+
+    adapter = tmp_path / "foreign_rm"
+    shutil.copytree(REWARD_ADAPTER_DIR, adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "someone/other"}))
+    return adapter
+
+
+@pytest.mark.parametrize("stage", ["grpo", "dpo"])
+def test_grpo_and_dpo_refuse_a_reward_model_of_another_base_or_vocabulary_before_loading(
+        stage, tmp_path, no_loading, foreign_reward_adapter, monkeypatch):
+    """Issue 37 item 4: GRPO's reward (and the evaluation after DPO or GRPO) scored with a reward adapter on any
+    base and any vocabulary; PPO refused both."""
+    import importlib
+
+    from marlhf_edu import models
+
+    main = importlib.import_module(f"marlhf_edu.stages.{stage}").main
+    base = ["--config", f"configs/tiny_{stage}.yaml", "--output_dir", str(tmp_path / stage)]
+    with pytest.raises(ConfigError, match=r"trained on 'hf:someone/other' .* set reward_base_path"):
+        main([*base, "--reward_adapter_path", str(foreign_reward_adapter)])
+
+    class OtherVocabulary:
+        def get_vocab(self):
+            return {"a": 0}
+
+        def __len__(self):
+            return 1
+
+    real = models.load_tokenizer
+    other = tmp_path / "other_base"
+    monkeypatch.setattr(models, "load_tokenizer", lambda ref=models.TOKENIZER_DIR, *a, **k:
+                        OtherVocabulary() if str(ref) == str(other) else real(ref, *a, **k))
+    import shutil
+
+    shutil.copytree(models.SFT_DIR, other)  # the same width: only the vocabulary differs
+    with pytest.raises(ConfigError, match="reward model's tokenizer .* differs from the policy's"):
+        main([*base, "--reward_base_path", str(other)])
+
+
 def test_dpo_checks_the_reward_adapter_of_its_evaluation_before_training(tmp_path, no_loading):
     from marlhf_edu.stages.dpo import main
 

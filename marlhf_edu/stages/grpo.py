@@ -85,9 +85,8 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
 
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
     from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.sources import require_adapter_folder
     from marlhf_edu.stages.common import check_output_dir, resolve_zoo
-    from marlhf_edu.stages.dpo import evaluate_after, load_policy, lora_policy_config
+    from marlhf_edu.stages.dpo import check_reward_before_loading, evaluate_after, load_policy, lora_policy_config
     from marlhf_edu.stages.ppo import load_prompts
 
     check_output_dir("grpo", script_args, training_args)  # before anything loads
@@ -101,15 +100,17 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     peft_config = lora_policy_config(model_args, "GRPO")
     if script_args.drop_long_prompts and not script_args.max_prompt_length:
         raise ConfigError("drop_long_prompts needs max_prompt_length (the limit to drop at)")
-    if script_args.reward == "reward_model" or (toy and script_args.eval_repeats):  # before training, not after
-        from marlhf_edu.ppo.multi_adapter import check_reward_head
-
-        adapter = resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR)
-        require_adapter_folder(adapter, "reward_adapter_path")
-        check_reward_head(adapter, resolve_zoo(script_args.reward_base_path, SFT_DIR))  # the base it goes on
-    # the prompts and their lengths are checked with the tokenizer alone, before any model loads
+    if script_args.max_tokens:
+        raise ConfigError("max_tokens keeps preference or SFT rows whose prompt and answer fit; GRPO samples its "
+                          "answers: limit the prompts with max_prompt_length (and drop_long_prompts)")
+    # the reward model, the prompts and their lengths are checked with the tokenizers alone, before any model loads
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
+    if script_args.reward == "reward_model" or (toy and script_args.eval_repeats):  # before training, not after
+        check_reward_before_loading(script_args, tokenizer)
     texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template
+    if script_args.max_rows and len(texts) > script_args.max_rows:
+        print(f"prompts: using the first {script_args.max_rows} of {len(texts)} (max_rows)")
+        texts = texts[:script_args.max_rows]
     if script_args.max_prompt_length and not script_args.drop_long_prompts:
         lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
         long = [i for i, n in enumerate(lengths) if n > script_args.max_prompt_length]
