@@ -370,3 +370,24 @@ def test_a_commands_help_is_no_error(command, capsys, no_loading):
     assert main([command, "--help"]) == 0
     captured = capsys.readouterr()
     assert "usage:" in captured.out and "invalid" not in captured.err
+
+
+def test_mistakes_that_were_bare_value_errors_are_named_errors_before_loading(tmp_path, no_loading, capsys):
+    """Issue 37 item 12: a split the shipped dataset does not have, refusal pairs from data with no refusal to
+    borrow, and an evaluation limit no request fits reached the command line as tracebacks (the last after both
+    models had loaded)."""
+    import datasets
+
+    from marlhf_edu import cli
+    from marlhf_edu.stages.evaluate import main as evaluate
+    from marlhf_edu.stages.reward import RMScriptArguments, with_refusal_pairs
+
+    assert cli.main(["ppo", *TINY_PPO, "--output_dir", str(tmp_path / "run"), "--dataset_name",
+                     "hh-rlhf-harmless-base", "--dataset_format", "hh-rlhf", "--dataset_split", "validation"]) == 2
+    err = capsys.readouterr().err
+    assert "split must be one of" in err and "Traceback" not in err, err
+    no_refusals = datasets.Dataset.from_list([{"prompt": "Q", "chosen": "Sure, here it is.", "rejected": "No."}])
+    with pytest.raises(ConfigError, match="refusal_pairs: .*set refusal_pairs: 0 for this data"):
+        with_refusal_pairs(no_refusals, None, RMScriptArguments(refusal_pairs=4))
+    with pytest.raises(ConfigError, match="no test request fits in 1 tokens: raise --max_prompt_length"):
+        evaluate(["--model", "zoo", "--judge", "keyword", "--max_prompt_length", "1"])

@@ -55,6 +55,28 @@ def test_a_repeated_launch_is_refused_before_the_tokenizer_or_the_prompts_are_re
                  progress=False)
 
 
+def test_a_resume_with_unreadable_records_or_another_world_size_is_refused_before_loading(finished_run, monkeypatch):
+    """A line in the middle of metrics.jsonl that does not parse (only a last line cut off by a kill is ignored),
+    and a resume under another number of ranks, were found after every model had loaded; the first as a bare
+    ValueError (issue 37 items 10, 12)."""
+    from marlhf_edu.errors import DataFileError
+
+    resume = [*TINY, "--total_steps", "3", "--output_dir", str(finished_run), "--resume", "true"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"written by a run on 1 rank\(s\), this one has 2"):
+        ppo_main(resume, backend_factory=never_loaded, progress=False)
+    monkeypatch.delenv("WORLD_SIZE")
+    metrics = finished_run / "metrics.jsonl"
+    good = metrics.read_text()
+    lines = good.splitlines()
+    try:
+        metrics.write_text("\n".join([lines[0][:-5], *lines[1:]]) + "\n")  # the first record cut short
+        with pytest.raises(DataFileError, match=r"metrics.jsonl, line 1: not a JSON record .* repair or remove"):
+            ppo_main(resume, backend_factory=never_loaded, progress=False)
+    finally:
+        metrics.write_text(good)
+
+
 def test_resume_refuses_changed_settings_naming_each(finished_run):
     before = _snapshot(finished_run)
     with pytest.raises(ConfigError) as err:
@@ -161,6 +183,11 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_folder(tmp_path):
     ("max_grad_norm: -1", "max_grad_norm must be > 0 or null"),
     ("score_clip: -1", "score_clip must be > 0 or null"),
     ("critic_learning_rate: -1", "critic_learning_rate must be > 0 or null"),
+    ("adam_eps: 0", "need adam_eps > 0 and weight_decay >= 0"),
+    ("weight_decay: -0.1", "need adam_eps > 0 and weight_decay >= 0"),
+    ("adaptive_kl_horizon: 0", "adaptive_kl_target and adaptive_kl_horizon must be > 0"),
+    ("adaptive_kl_target: -1", "adaptive_kl_target and adaptive_kl_horizon must be > 0"),
+    ("early_stopping_target_kl: 0", "early_stopping_target_kl must be > 0"),
 ])
 def test_yaml_values_are_checked_against_the_field_types_and_ranges(tmp_path, line, message):
     """Issue 37 item 11: values the parser passed through unconverted, or accepted out of range."""

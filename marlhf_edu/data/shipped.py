@@ -22,6 +22,7 @@ import gzip
 import hashlib
 import json
 
+from marlhf_edu.errors import DataFileError
 from marlhf_edu.models import ASSETS
 
 SHIPPED_DATASETS = {"hh-rlhf-harmless-base": ASSETS / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"}
@@ -45,9 +46,9 @@ def split_of(transcript: str) -> str:
 def shipped_rows(name: str, split: str = "all") -> list[dict]:
     """The rows of a shipped dataset (`SHIPPED_DATASETS`) in its file order, restricted to `split`."""
     if name not in SHIPPED_DATASETS:
-        raise ValueError(f"no shipped dataset {name!r}; shipped: {', '.join(SHIPPED_DATASETS)}")
-    if split not in SPLITS:
-        raise ValueError(f"{name}: split must be one of {', '.join(SPLITS)}, got {split!r}")
+        raise DataFileError(f"no shipped dataset {name!r}; shipped: {', '.join(SHIPPED_DATASETS)}")
+    if split not in SPLITS:  # dataset_split / eval_split
+        raise DataFileError(f"{name}: split must be one of {', '.join(SPLITS)}, got {split!r}")
     with gzip.open(SHIPPED_DATASETS[name], "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r for r in rows if split == "all" or split_of(r.get("chosen", "")) == split]

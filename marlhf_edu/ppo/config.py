@@ -174,6 +174,13 @@ class PPOConfig:
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, f"gamma and lam must lie in [0, 1], got {self.gamma}, {self.lam}")
         need(self.cliprange > 0 and self.cliprange_value > 0, "cliprange and cliprange_value must be > 0")
         need(self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}")
+        need(self.adam_eps > 0 and self.weight_decay >= 0,
+             f"need adam_eps > 0 and weight_decay >= 0 (AdamW's), got {self.adam_eps} and {self.weight_decay}")
+        need(self.adaptive_kl_target > 0 and self.adaptive_kl_horizon > 0,
+             f"adaptive_kl_target and adaptive_kl_horizon must be > 0 (β's relative change divides by both), got "
+             f"{self.adaptive_kl_target} and {self.adaptive_kl_horizon}")
+        need(self.early_stopping_target_kl > 0,
+             f"early_stopping_target_kl must be > 0, got {self.early_stopping_target_kl}")
         need(self.actor_lora_r >= 0, f"actor_lora_r must be >= 0, got {self.actor_lora_r}")
         need(self.value_mode in ("shared", "adapter"), f"value_mode must be 'shared' or 'adapter', got {self.value_mode!r}")
         need(self.dataset_format in PROMPT_FORMATS,

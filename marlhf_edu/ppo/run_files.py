@@ -16,7 +16,7 @@ import pickle
 
 import torch
 
-from marlhf_edu.errors import ConfigError
+from marlhf_edu.errors import ConfigError, DataFileError
 from marlhf_edu.model_cache import file_sha256 as sha256_of  # one streaming sha256 for checkpoints and the cache
 
 
@@ -88,6 +88,13 @@ def check_run_folder(config):
                               "output_dir (nothing was loaded, and nothing in it was changed)")
         return None
     ckpt, state, skipped = usable_checkpoint(root)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # what torchrun and accelerate launch set for every rank
+    if state.get("world_size", 1) != world:
+        raise ConfigError(f"--resume: {ckpt} was written by a run on {state.get('world_size', 1)} rank(s), this one "
+                          f"has {world}: resume with the same number of processes")
+    for name in ("metrics.jsonl", "eval_curve.jsonl"):  # records the resume rewrites: readable, before any load
+        if (out / name).exists():
+            read_jsonl(out / name)
     for line in skipped:
         print(f"--resume: skipping damaged checkpoint {line}; resuming from {ckpt.name}")
     changed = config.resume_differences(state.get("config", {}))
@@ -121,7 +128,8 @@ def read_jsonl(path: pathlib.Path) -> list[dict]:
         except ValueError:
             if i == len(lines) - 1:
                 continue  # half-written by a killed run
-            raise ValueError(f"{path}, line {i + 1}: not a JSON record") from None
+            raise DataFileError(f"{path}, line {i + 1}: not a JSON record (only a last line cut off by a kill is "
+                                "ignored): repair or remove that line") from None
     return out
 
 

@@ -87,9 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not os.access(out, os.W_OK):
             raise ConfigError(f"--output_dir {out} cannot be written (permission denied)")
     reward_base = args.reward_base or (str(SFT_DIR) if args.reward_adapter == "zoo" else reward_base_of(adapter))
-    with quiet_loading():
-        policy, tokenizer = load_sft_model(args.model, **loading)
-        reward, reward_tokenizer = load_reward_model(reward_base, adapter, **loading)
+    # the judge and its held-out requests come from the tokenizer alone: a limit no request fits is found now
+    tokenizer = load_tokenizer(args.model)
     judge = args.judge
     if judge == "auto":
         judge = "toy" if tokenizer.get_vocab() == load_tokenizer(TOKENIZER_DIR).get_vocab() else "keyword"
@@ -98,7 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         world = ToyWorld()
     else:
-        world = KeywordJudge(tokenizer, limit=args.prompts, max_prompt_tokens=args.max_prompt_length)
+        try:
+            world = KeywordJudge(tokenizer, limit=args.prompts, max_prompt_tokens=args.max_prompt_length)
+        except ValueError as err:
+            raise ConfigError(f"{err}: raise --max_prompt_length") from None
+    with quiet_loading():
+        policy, tokenizer = load_sft_model(args.model, **loading)
+        reward, reward_tokenizer = load_reward_model(reward_base, adapter, **loading)
     backend = ScoredPolicy(policy, reward, tokenizer, reward_tokenizer)
     metrics, samples = judge_policy(backend, world, args.repeats, args.max_new_tokens, args.temperature, args.seed)
     metrics = {"judge": judge, "answers": len(samples), **metrics}

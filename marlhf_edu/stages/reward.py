@@ -107,10 +107,13 @@ def with_refusal_pairs(dataset, tokenizer, script_args):
     `max_tokens`), with what was added printed."""
     from marlhf_edu.keyword_judge import refusal_pairs
 
-    extra, pool = refusal_pairs(dataset.to_list(), script_args.refusal_pairs)
+    try:
+        extra, pool = refusal_pairs(dataset.to_list(), script_args.refusal_pairs)
+    except ValueError as err:  # no pair of this data prefers a refusal: a fact about the data, said as such
+        raise ConfigError(f"{err} (set refusal_pairs: 0 for this data)") from None
     if not extra:
-        raise ValueError(f"refusal_pairs: no pair of {len(dataset)} has a compliant rejected answer to pair a "
-                         "refusal with")
+        raise ConfigError(f"refusal_pairs: no pair of {len(dataset)} has a compliant rejected answer to pair a "
+                          "refusal with (set refusal_pairs: 0 for this data)")
     return _append_pairs(dataset, extra, tokenizer, script_args, "refusal pair",
                          f"refusals from {pool} preferred pairs")
 
