@@ -228,6 +228,52 @@ def test_trl_stages_refuse_a_finished_run_and_a_bad_resume_before_loading(tmp_pa
         main(["--config", config, "--output_dir", str(tmp_path / "run2"), "--resume_from_checkpoint", str(half)])
 
 
+@pytest.mark.parametrize("stage", sorted(TRL_STAGES))
+def test_trl_stages_hold_their_folder_for_the_whole_run_and_refuse_a_stopped_runs_checkpoints(
+        tmp_path, no_loading, stage, monkeypatch):
+    """Issue 37 items 2, 7: a trl stage took no lock (two launches into one folder both ran), and a folder holding
+    a stopped run's checkpoint-N was reused without a word (a later resume could continue the old run's newest
+    checkpoint). --overwrite_output removes them; a refused launch writes nothing."""
+    import fcntl
+    import importlib
+    import os
+
+    module, config = TRL_STAGES[stage]
+    stage_module = importlib.import_module(module)
+    out = tmp_path / "run"
+    (out / "checkpoint-4").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=rf"{stage}: output_dir .* holds checkpoints of a stopped run "
+                                          r"\(checkpoint-4\); pass --resume_from_checkpoint true"):
+        stage_module.main(["--config", config, "--output_dir", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4"]  # nothing written, not even the lock
+
+    seen = {}
+
+    def run(script_args, training_args, model_args):  # in place of the training: is the folder held meanwhile?
+        fd = os.open(out / ".lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen["held"] = False
+        except BlockingIOError:
+            seen["held"] = True
+        finally:
+            os.close(fd)
+        seen["left"] = sorted(p.name for p in out.iterdir())
+        return "trained"
+
+    run_name = {"sft": "run_sft", "rm": "run_rm", "dpo": "run_dpo", "grpo": "run_grpo"}[stage]
+    monkeypatch.setattr(stage_module, run_name, run)
+    assert stage_module.main(["--config", config, "--output_dir", str(out), "--overwrite_output", "true"]) == "trained"
+    assert seen == {"held": True, "left": [".lock"]}  # held during the run; the stopped run's checkpoint removed
+    fd = os.open(out / ".lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running launch holds
+    try:
+        with pytest.raises(ConfigError, match="being written by another process"):
+            stage_module.main(["--config", config, "--output_dir", str(out), "--overwrite_output", "true"])
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def locked(tmp_path, monkeypatch):
     """A folder this user may not write: read-only, and refused by `os.access` even to root (CI runs as root,

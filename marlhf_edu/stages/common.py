@@ -22,9 +22,9 @@ class DataArguments:
                                                          "many tokens, and say how many were dropped (0 = keep all)"})
     max_rows: int = field(default=0, metadata={"help": "use the first N rows (after max_tokens); 0 = all"})
     toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
-    overwrite_output: bool = field(default=False, metadata={"help": "replace a finished run already in output_dir "
-                                                                    "(without it the stage refuses, before loading "
-                                                                    "anything)"})
+    overwrite_output: bool = field(default=False, metadata={"help": "replace a finished or stopped run already in "
+                                                                    "output_dir, its checkpoints removed (without it "
+                                                                    "the stage refuses, before loading anything)"})
 
 
 def parse_stage_args(dataclass_types, argv: list[str] | None):
@@ -267,9 +267,35 @@ def check_output_dir(stage: str, script_args, training_args) -> None:
             raise ConfigError(f"{stage}: output_dir {out} already holds a finished run ({found[0]}); choose another "
                               "output_dir, pass --overwrite_output true to replace it, or --resume_from_checkpoint "
                               "to continue a stopped one (nothing was loaded or written)")
+        stopped = sorted(c.name for c in out.glob("checkpoint-*"))
+        if stopped:  # trl would write beside them, and a later resume could continue the old run's newest one
+            raise ConfigError(f"{stage}: output_dir {out} holds checkpoints of a stopped run ({', '.join(stopped)}); "
+                              "pass --resume_from_checkpoint true to continue it, --overwrite_output true to start "
+                              "again (they are removed), or choose another output_dir (nothing was loaded or written)")
     if (blocked := unwritable_folder(out)) is not None:
         raise ConfigError(f"{stage}: output_dir {out} cannot be written ({blocked} is not writable by this user); "
                           "choose another output_dir")
+
+
+def run_trl_stage(stage: str, run, script_args, training_args, model_args):
+    """What the command of a trl stage (sft, rm, dpo, grpo) does around `run(script_args, training_args,
+    model_args)`: check the output folder first (`check_output_dir`: a refused launch writes nothing), then hold
+    its lock for the whole run (`RunLock`, rank 0), so that a second launch into it is refused instead of
+    interleaving with it; with `overwrite_output` and no resume, a stopped run's `checkpoint-N` folders are
+    removed first, so that no later resume continues the old run."""
+    import os
+    import pathlib
+    import shutil
+
+    from marlhf_edu.ppo.run_files import RunLock
+
+    check_output_dir(stage, script_args, training_args)
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    with RunLock(training_args.output_dir, enabled=main_rank):
+        if script_args.overwrite_output and main_rank and training_args.resume_from_checkpoint in (None, False, "", "false", "False"):
+            for stale in pathlib.Path(training_args.output_dir).glob("checkpoint-*"):
+                shutil.rmtree(stale)
+        return run(script_args, training_args, model_args)
 
 
 def resolve_zoo(path: str, shipped) -> str:

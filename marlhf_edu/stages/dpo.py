@@ -127,7 +127,7 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
 def main(argv: list[str] | None = None):
     from trl import DPOConfig, ModelConfig
 
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.stages.common import parse_stage_args, run_trl_stage
 
     script_args, training_args, model_args = parse_stage_args((DPOScriptArguments, DPOConfig, ModelConfig), argv)
-    return run_dpo(script_args, training_args, model_args)
+    return run_trl_stage("dpo", run_dpo, script_args, training_args, model_args)

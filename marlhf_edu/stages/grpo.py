@@ -144,7 +144,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
 def main(argv: list[str] | None = None):
     from trl import GRPOConfig, ModelConfig
 
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.stages.common import parse_stage_args, run_trl_stage
 
     script_args, training_args, model_args = parse_stage_args((GRPOScriptArguments, GRPOConfig, ModelConfig), argv)
-    return run_grpo(script_args, training_args, model_args)
+    return run_trl_stage("grpo", run_grpo, script_args, training_args, model_args)

@@ -263,7 +263,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
 def main(argv: list[str] | None = None):
     from trl import ModelConfig, RewardConfig
 
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.stages.common import parse_stage_args, run_trl_stage
 
     script_args, training_args, model_args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig), argv)
-    return run_rm(script_args, training_args, model_args)
+    return run_trl_stage("rm", run_rm, script_args, training_args, model_args)

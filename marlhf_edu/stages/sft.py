@@ -90,7 +90,7 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
 def main(argv: list[str] | None = None):
     from trl import ModelConfig, SFTConfig
 
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.stages.common import parse_stage_args, run_trl_stage
 
     script_args, training_args, model_args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig), argv)
-    return run_sft(script_args, training_args, model_args)
+    return run_trl_stage("sft", run_sft, script_args, training_args, model_args)
