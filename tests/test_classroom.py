@@ -224,6 +224,17 @@ def test_assignment_paths_stay_inside_configs_and_benchmarks(tmp_path):
             book.confined_path("benchmarks/_test_link_to_outside")
     finally:
         link.unlink()
+    # a folder inside benchmarks/ that holds a link to outside: refused as a whole, nothing copied
+    folder = ROOT / "benchmarks" / "_test_folder_with_a_link"
+    folder.mkdir()
+    try:
+        (folder / "run.json").write_text("{}")
+        (folder / "secret").symlink_to(tmp_path)
+        with pytest.raises(SystemExit, match="_test_folder_with_a_link/secret is a symbolic link"):
+            book._copy_confined(folder, tmp_path / "copy")
+        assert not (tmp_path / "copy").exists()
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_learner_edition_has_no_answers_and_keeps_a_learners_work(tmp_path):

@@ -60,7 +60,7 @@ def test_two_builders_of_one_key_build_it_once(tmp_path):
     assert not errors and len(calls) == 1 and check_entry(target) is None
 
 
-def test_gguf_entries_are_keyed_by_content_not_name_and_size(tmp_path):
+def test_gguf_entries_are_keyed_by_content_not_name_and_size(tmp_path, monkeypatch):
     from marlhf_edu.sources import gguf_digest
 
     a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
@@ -68,6 +68,13 @@ def test_gguf_entries_are_keyed_by_content_not_name_and_size(tmp_path):
         path.parent.mkdir()
         path.write_text(text)
     assert a.stat().st_size == b.stat().st_size and gguf_digest(a) != gguf_digest(b)
+    # and materialize_gguf files each under its own content's key (publish is where the key is used)
+    import marlhf_edu.sources as sources
+
+    targets = []
+    monkeypatch.setattr(sources, "publish", lambda build, target: targets.append(target) or target)
+    sources.materialize_gguf(a), sources.materialize_gguf(b)
+    assert [t.name for t in targets] == [f"model-{gguf_digest(a)[:16]}", f"model-{gguf_digest(b)[:16]}"]
 
 
 def test_without_a_writable_home_the_cache_is_private_to_the_user(tmp_path, monkeypatch):
@@ -99,7 +106,19 @@ def test_cache_list_and_clean_from_the_command_line(tmp_path, monkeypatch, capsy
     assert "no entry merged/nope" in capsys.readouterr().err
     assert main(["cache", "clean", "merged/b-2"]) == 0
     assert [p.name for p in (tmp_path / "merged").iterdir() if p.is_dir()] == ["a-1"]
-    assert main(["cache", "clean"]) == 0 and not any(p.is_dir() for p in (tmp_path / "merged").iterdir())
+    killed = tmp_path / "merged" / "c-3.tmp-999"  # what a build killed mid-way leaves
+    killed.mkdir()
+    (killed / "model.safetensors").write_text("half")
+    building = tmp_path / "merged" / "d-4.tmp-1000"  # a build running right now holds its key's lock
+    building.mkdir()
+    import fcntl
+
+    with open(tmp_path / "merged" / "d-4.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["cache", "clean"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("1 entries removed from " + str(tmp_path) + ", and 1 unfinished builds")
+    assert not killed.exists() and building.exists()  # the orphan swept, the running build left alone
+    assert [p.name for p in (tmp_path / "merged").iterdir() if p.is_dir()] == ["d-4.tmp-1000"]
 
 
 def test_an_entry_is_hashed_once_per_process_until_a_file_changes(tmp_path, monkeypatch):

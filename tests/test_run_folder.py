@@ -173,6 +173,54 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_folder(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written by the refused launch
 
 
+def test_the_lock_is_held_for_the_whole_run_and_checkpoints_reach_the_disk_before_their_renames(tmp_path,
+                                                                                                  monkeypatch):
+    """Issue 37 items 7, 13: the folder is locked while the run trains and writes (checked from inside the run,
+    at its last write), and every file of a checkpoint, and the `latest` pointer, is fsynced before the rename
+    that publishes it, the folder after."""
+    import fcntl
+    import os
+
+    import marlhf_edu.ppo.run_files as run_files
+    import marlhf_edu.ppo.trainer as trainer_module
+    import marlhf_edu.stages.ppo as ppo_stage
+
+    out = tmp_path / "ppo"
+    events, seen = [], {}
+    real_fsync, real_replace, real_export = run_files.fsync_path, os.replace, ppo_stage.export_policy
+
+    def fsync(path):
+        events.append(("fsync", pathlib.Path(path).name))
+        real_fsync(path)
+
+    def replace(src, dst):
+        events.append(("replace", pathlib.Path(src).name, pathlib.Path(dst).name))
+        real_replace(src, dst)
+
+    def export(*args, **kwargs):  # the run's last write
+        fd = os.open(out / ".lock", os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            seen["held"] = False
+        except BlockingIOError:
+            seen["held"] = True
+        finally:
+            os.close(fd)
+        return real_export(*args, **kwargs)
+
+    monkeypatch.setattr(run_files, "fsync_path", fsync)
+    monkeypatch.setattr(trainer_module, "fsync_path", fsync)
+    monkeypatch.setattr(trainer_module.os, "replace", replace)
+    monkeypatch.setattr(ppo_stage, "export_policy", export)
+    ppo_main([*TINY, "--total_steps", "1", "--eval_repeats", "0", "--output_dir", str(out)], progress=False)
+    assert seen == {"held": True}
+    publish = events.index(("replace", "step-000001.tmp", "step-000001"))
+    files = {"trainable.safetensors", "optimizer.pt", "rng.pt", "state.json"}
+    assert files | {"step-000001.tmp"} <= {e[1] for e in events[:publish] if e[0] == "fsync"}
+    pointer = events.index(("replace", "latest.tmp", "latest"))
+    assert ("fsync", "latest.tmp") in events[publish:pointer] and ("fsync", "checkpoints") in events[pointer:]
+
+
 @pytest.mark.parametrize("line, message", [
     ("total_steps: [2]", "total_steps: expected a whole number, got [2]"),
     ("eval_repeats: null", "eval_repeats: expected a whole number, got None"),
@@ -227,3 +275,22 @@ def test_a_resume_verifies_its_checkpoint_once(tmp_path, monkeypatch):
     ppo_main([*TINY, "--total_steps", "2", "--eval_repeats", "0", "--output_dir", str(out), "--resume", "true"],
              progress=False)
     assert len(calls) == 1 and (out / "checkpoints" / "step-000002").exists()
+
+
+@pytest.mark.parametrize("text, argv_tail, message", [
+    ("device: cpu\ntotal_steps: [1\n", [], r"bad.yaml: not valid YAML \(.*, line 3\)"),
+    ("- device\n- cpu\n", [], "bad.yaml: the config must be a YAML mapping"),
+    ("device: cpu\n", None, "--config needs a YAML file after it"),
+])
+def test_a_malformed_stage_config_is_one_error_naming_the_file(tmp_path, capsys, text, argv_tail, message):
+    """Issue 37 item 12: malformed YAML and `--config` without a value gave tracebacks."""
+    import re
+
+    from marlhf_edu import cli
+
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    argv = ["ppo", "--config"] + ([str(config)] if argv_tail is not None else []) + ["--device", "cpu"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

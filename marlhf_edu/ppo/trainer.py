@@ -564,8 +564,9 @@ class PPOTrainer:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(name)
+        fsync_path(root / "latest.tmp")  # the pointer's contents on disk before its rename can be
         os.replace(root / "latest.tmp", root / "latest")
-        fsync_path(root)
+        fsync_path(root)  # both renames (the checkpoint's and the pointer's) on disk
         for old in sorted(p for p in root.glob("step-*") if p.name != name and not p.name.endswith(".tmp"))[:-1]:
             shutil.rmtree(old, ignore_errors=True)  # keep the newest two
         self.dp.barrier()
