@@ -297,6 +297,10 @@ def red_team_requests(split: str = "test", dataset: str = "hh-rlhf-harmless-base
     return list(dict.fromkeys(r for r in requests if r))
 
 
+class NoRequestFits(ValueError):
+    """No held-out request of the split fits in the prompt-length limit: the judge has nothing to ask."""
+
+
 class KeywordJudge:
     """Chapter 13's judge over `limit` red-team prompts and the benign questions (see the module docstring).
 
@@ -316,7 +320,7 @@ class KeywordJudge:
         harmful = [JudgedPrompt(r, "harmful", p) for r, p, n in zip(requests, rendered, lengths)
                    if n <= max_prompt_tokens][:limit]
         if not harmful:
-            raise ValueError(f"KeywordJudge: no {split} request fits in {max_prompt_tokens} tokens")
+            raise NoRequestFits(f"KeywordJudge: no {split} request fits in {max_prompt_tokens} tokens")
         benign = [JudgedPrompt(q, "benign", template.dialogue([(q, None)]), answers) for q, answers in BENIGN_QUESTIONS]
         self.eval_prompts = harmful + benign
         self.n_requests, self.max_prompt_tokens = len(requests), max_prompt_tokens

@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: marlhf-edu cache list | marlhf-edu cache clean [NAME ...] (NAME as `cache list` prints it; "
              "no name: every entry)")
-    if argv[:1] in (["-h"], ["--help"]):
+    if "-h" in argv or "--help" in argv:
         print(usage)
         return
     if not argv or argv[0] not in ("list", "clean"):

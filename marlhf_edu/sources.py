@@ -100,10 +100,15 @@ class ModelSource:
         first = ref.split("/")[0]
         if recorded and not (ref.count("/") and (first in OUTPUT_ROOTS or pathlib.Path(first).expanduser().is_dir())):
             return cls("hub", ref, ref)
-        where = (f"no such folder ({first}/ exists here: if an earlier stage writes {ref}, run that stage first)"
-                 if ref.count("/") and pathlib.Path(first).expanduser().is_dir() else "no such folder or model")
-        raise ConfigError(f"model {ref!r}: {where}; a model on the Hugging Face hub is written hf:{ref} "
-                          f"(hf:{ref}@<revision> pins its files)")
+        here = ref.count("/") and pathlib.Path(first).expanduser().is_dir()
+        if ref.count("/") and (here or first in OUTPUT_ROOTS):
+            where = (f"no such folder ({first}/ {'exists here' if here else 'is where the stages write their runs'}: "
+                     f"if an earlier stage writes {ref}, run that stage first)")
+        else:
+            where = "no such folder or model"
+        hub = "" if first in OUTPUT_ROOTS else (f"; a model on the Hugging Face hub is written hf:{ref} "
+                                                f"(hf:{ref}@<revision> pins its files)")
+        raise ConfigError(f"model {ref!r}: {where}{hub}")
 
     @classmethod
     def _local(cls, ref: str, path: pathlib.Path) -> "ModelSource":
@@ -190,7 +195,8 @@ def adapter_base(adapter_dir) -> str:
         source = ModelSource.parse(base, recorded=True)
     except ConfigError as error:  # a local base gone missing, or recorded relative to another working directory
         raise ConfigError(f"{path} records its base as {base!r}, which is not here: {error}. Run from the folder "
-                          "it was trained in, or set base_model_name_or_path in that file to the base's path") from None
+                          "it was trained in, or set base_model_name_or_path in that file to the base's path (or "
+                          "to hf:owner/name for a model on the hub)") from None
     return HUB_PREFIX + source.location if source.kind == "hub" and not base.startswith(HUB_PREFIX) else base
 
 

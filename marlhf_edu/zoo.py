@@ -48,16 +48,27 @@ def staged_install(out: pathlib.Path):
     """A context for a rebuild: yields a staging folder beside `out` (same filesystem) where the new assets are
     built; when the block ends without error, each staged entry replaces its namesake in `out` by renames (the
     old one moved aside, then removed), so an interruption during the build leaves the installed assets as they
-    were. The staging folder is removed either way."""
+    were. The staging folder is removed either way. A lock on `out` itself (no file left among the assets) is held
+    throughout: a second rebuild of the same folder is refused instead of removing the first one's staging."""
     import contextlib
+    import fcntl
+    import os
+
+    from marlhf_edu.errors import ConfigError
 
     @contextlib.contextmanager
     def stage():
         out.mkdir(parents=True, exist_ok=True)
-        staging = out / ".rebuild-staging"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+        held = os.open(out, os.O_RDONLY)
         try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(held)
+            raise ConfigError(f"{out} is being rebuilt by another process: wait for it to finish") from None
+        staging = out / ".rebuild-staging"
+        try:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir()
             yield staging
             for entry in sorted(staging.iterdir()):
                 final, aside = out / entry.name, out / f".{entry.name}.old"
@@ -70,6 +81,7 @@ def staged_install(out: pathlib.Path):
                     shutil.rmtree(aside) if aside.is_dir() else aside.unlink()
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            os.close(held)  # closing the descriptor releases the lock
 
     return stage()
 

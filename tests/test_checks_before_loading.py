@@ -146,6 +146,33 @@ def test_grpo_and_dpo_refuse_a_reward_model_of_another_base_or_vocabulary_before
         main([*base, "--reward_base_path", str(other)])
 
 
+def test_ppo_and_evaluate_refuse_a_reward_base_of_another_vocabulary_before_loading(tmp_path, no_loading,
+                                                                                     monkeypatch):
+    """Issue 37 item 4: PPO with a reward model on a base of its own, and `marlhf-edu evaluate`, compared the two
+    vocabularies only after loading both models."""
+    import shutil
+
+    from marlhf_edu import models
+    from marlhf_edu.stages.evaluate import main as evaluate
+
+    class OtherVocabulary:
+        def get_vocab(self):
+            return {"a": 0}
+
+        def __len__(self):
+            return 1
+
+    other = tmp_path / "other_base"
+    shutil.copytree(models.SFT_DIR, other)  # the same width: only the vocabulary differs
+    real = models.load_tokenizer
+    monkeypatch.setattr(models, "load_tokenizer", lambda ref=models.TOKENIZER_DIR, *a, **k:
+                        OtherVocabulary() if str(ref) == str(other) else real(ref, *a, **k))
+    with pytest.raises(ConfigError, match="reward model's tokenizer .* differs from the policy's"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--reward_base_path", str(other)])
+    with pytest.raises(ConfigError, match="reward model's tokenizer .* differs from the policy's"):
+        evaluate(["--model", "zoo", "--reward_base", str(other), "--reward_adapter", "zoo"])
+
+
 def test_dpo_checks_the_reward_adapter_of_its_evaluation_before_training(tmp_path, no_loading):
     from marlhf_edu.stages.dpo import main
 
@@ -336,7 +363,7 @@ def test_an_evaluation_the_keyword_judge_cannot_give_is_refused_before_loading(t
     from marlhf_edu import keyword_judge
 
     def no_request_fits(self, tokenizer, limit=None, max_prompt_tokens=64, **kwargs):
-        raise ValueError(f"KeywordJudge: no test request fits in {max_prompt_tokens} tokens")
+        raise keyword_judge.NoRequestFits(f"KeywordJudge: no test request fits in {max_prompt_tokens} tokens")
 
     monkeypatch.setattr(keyword_judge.KeywordJudge, "__init__", no_request_fits)
     with pytest.raises(ConfigError, match="no test request fits in 64 tokens: raise max_prompt_length"):
@@ -437,3 +464,16 @@ def test_mistakes_that_were_bare_value_errors_are_named_errors_before_loading(tm
         with_refusal_pairs(no_refusals, None, RMScriptArguments(refusal_pairs=4))
     with pytest.raises(ConfigError, match="no test request fits in 1 tokens: raise --max_prompt_length"):
         evaluate(["--model", "zoo", "--judge", "keyword", "--max_prompt_length", "1"])
+
+
+@pytest.mark.parametrize("stage, key", [("grpo", "max_rows"), ("sft", "max_tokens"), ("rm", "refusal_pairs"),
+                                        ("dpo", "eval_repeats"), ("grpo", "missing_eos_penalty")])
+def test_the_trl_stages_counts_and_limits_are_never_negative(stage, key, tmp_path, no_loading):
+    """Issue 37 item 11: `max_rows: -3` made GRPO keep all but the last three prompts, silently."""
+    import importlib
+
+    module = {"sft": "sft", "rm": "reward", "dpo": "dpo", "grpo": "grpo"}[stage]
+    with pytest.raises(ConfigError, match=f"{key} must be >= 0"):
+        importlib.import_module(f"marlhf_edu.stages.{module}").main(["--config", f"configs/tiny_{stage}.yaml",
+                                                                      "--output_dir", str(tmp_path / stage),
+                                                                      f"--{key}", "-3"])

@@ -144,7 +144,7 @@ def test_merge_never_overwrites_unless_asked_and_never_its_inputs(trained, tmp_p
         merge(["--adapter", str(policy), "--output_dir", str(target)])
     assert (target / "notes.txt").read_text() == "mine"
     before = {p.name: p.read_bytes() for p in policy.iterdir() if p.is_file()}
-    for inside in (policy, policy / "sub"):
+    for inside in (policy, policy / "sub", out):  # the adapter, a folder inside it, the run folder holding it
         with pytest.raises(ConfigError, match="is the adapter or its base"):
             merge(["--adapter", str(policy), "--output_dir", str(inside), "--overwrite", "true"])
     assert {p.name: p.read_bytes() for p in policy.iterdir() if p.is_file()} == before

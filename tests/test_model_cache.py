@@ -72,6 +72,7 @@ def test_gguf_entries_are_keyed_by_content_not_name_and_size(tmp_path, monkeypat
     import marlhf_edu.sources as sources
 
     targets = []
+    monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sources, "publish", lambda build, target: targets.append(target) or target)
     sources.materialize_gguf(a), sources.materialize_gguf(b)
     assert [t.name for t in targets] == [f"model-{gguf_digest(a)[:16]}", f"model-{gguf_digest(b)[:16]}"]

@@ -61,6 +61,12 @@ def test_a_resume_with_unreadable_records_or_another_world_size_is_refused_befor
     ValueError (issue 37 items 10, 12)."""
     from marlhf_edu.errors import DataFileError
 
+    from marlhf_edu.ppo.distributed import DataParallel
+
+    def no_joining(*args, **kwargs):  # a check that came too late would join a 2-rank run and wait forever
+        raise AssertionError("the run tried to join a data-parallel group before refusing the resume")
+
+    monkeypatch.setattr(DataParallel, "from_environment", no_joining)
     resume = [*TINY, "--total_steps", "3", "--output_dir", str(finished_run), "--resume", "true"]
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"written by a run on 1 rank\(s\), this one has 2"):

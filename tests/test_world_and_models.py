@@ -228,3 +228,20 @@ def test_staged_install_swaps_every_entry(tmp_path):
         (staging / "m.json").write_text("{}")
     assert sorted(p.name for p in out.iterdir()) == ["a", "keep.txt", "m.json"]
     assert [p.name for p in (out / "a").iterdir()] == ["new.txt"]
+
+
+def test_a_second_rebuild_of_the_same_assets_is_refused_while_the_first_runs(tmp_path):
+    """Issue 37 item 7: two `zoo rebuild`s of one folder removed each other's staging folder."""
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.zoo import staged_install
+
+    out = tmp_path / "assets"
+    with staged_install(out) as staging:
+        (staging / "a.txt").write_text("first")
+        with pytest.raises(ConfigError, match="is being rebuilt by another process"):
+            with staged_install(out):
+                pass
+        assert (staging / "a.txt").read_text() == "first"  # the first rebuild's work is untouched
+    assert (out / "a.txt").read_text() == "first" and sorted(p.name for p in out.iterdir()) == ["a.txt"]
+    with staged_install(out):  # released at the end: the next rebuild goes ahead
+        pass

@@ -16,6 +16,7 @@ Taught in chapter 07.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections import Counter
@@ -326,14 +327,15 @@ def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, sys
                 raise BadRowError(i, "<row>", f"expected a mapping, got {type(row).__name__}")
             out.append(convert(row, i, template=template))
         except BadRowError as err:
-            if not skip_bad_rows:
-                raise err.refused_in(source) from None
+            if not skip_bad_rows:  # a file or dataset is named; rows handed over in Python are not
+                raise (err.refused_in(source) if isinstance(source, (str, os.PathLike)) else err) from None
             report.skipped.append(err)
     report.kept = len(out)
     with_margin = [("margin" in r) for r in out]
     if any(with_margin) and not all(with_margin):
         first = with_margin.index(False)
-        raise BadRowError(first, "margin", "some rows have a margin and this one has none", source=str(source))
+        raise BadRowError(first, "margin", "some rows have a margin and this one has none",
+                          source=str(source) if isinstance(source, (str, os.PathLike)) else "")
     if not out:
         raise DataFileError(f"no usable rows in {source!r}: {report.summary()}")
     if report.skipped:

@@ -23,8 +23,14 @@ class DataArguments:
     max_rows: int = field(default=0, metadata={"help": "use the first N rows (after max_tokens); 0 = all"})
     toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
     overwrite_output: bool = field(default=False, metadata={"help": "replace a finished or stopped run already in "
-                                                                    "output_dir, its checkpoints removed (without it "
-                                                                    "the stage refuses, before loading anything)"})
+                                                                    "output_dir (the command removes its checkpoints; "
+                                                                    "without it the stage refuses, before loading "
+                                                                    "anything)"})
+
+
+#: The stages' counts and limits that must not be negative (`max_rows: -3` kept all but the last three prompts).
+NON_NEGATIVE = ("max_rows", "max_tokens", "eval_pairs", "refusal_pairs", "evasion_pairs", "eval_repeats",
+                "max_prompt_length", "missing_eos_penalty")
 
 
 def parse_stage_args(dataclass_types, argv: list[str] | None):
@@ -78,7 +84,12 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
         if isinstance(err, ConfigError):
             raise
         raise ConfigError(f"invalid configuration: {err}") from None
-    for args in parsed:  # a trl stage told to train for nothing would save its untrained model and exit 0
+    for args in parsed:
+        for name in NON_NEGATIVE:  # counts and limits where a negative number would silently mean something else
+            value = getattr(args, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 = off or none), got {value}")
+        # a trl stage told to train for nothing would save its untrained model and exit 0
         epochs, steps = getattr(args, "num_train_epochs", None), getattr(args, "max_steps", None)
         if epochs is not None and steps is not None and epochs <= 0 and steps <= 0:
             raise ConfigError(f"num_train_epochs={epochs} and max_steps={steps}: nothing would be trained; "
@@ -279,10 +290,11 @@ def check_output_dir(stage: str, script_args, training_args) -> None:
 
 def run_trl_stage(stage: str, run, script_args, training_args, model_args):
     """What the command of a trl stage (sft, rm, dpo, grpo) does around `run(script_args, training_args,
-    model_args)`: check the output folder first (`check_output_dir`: a refused launch writes nothing), then hold
-    its lock for the whole run (`RunLock`, rank 0), so that a second launch into it is refused instead of
-    interleaving with it; with `overwrite_output` and no resume, a stopped run's `checkpoint-N` folders are
-    removed first, so that no later resume continues the old run."""
+    model_args)`: check the output folder first (`check_output_dir`: a launch refused for its folder writes
+    nothing; one refused by `run`'s own checks leaves only the lock file), then hold its lock for the whole run
+    (`RunLock`, rank 0), so that a second launch into it is refused instead of interleaving with it; with
+    `overwrite_output` and no resume, a stopped run's `checkpoint-N` folders are removed first, so that no later
+    resume continues the old run. `run_sft` and the like called from Python do neither."""
     import os
     import pathlib
     import shutil

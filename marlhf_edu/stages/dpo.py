@@ -79,12 +79,13 @@ def evaluate_after(trainer, tokenizer, script_args, training_args) -> dict:
         seed=1000 + training_args.seed, output_dir=training_args.output_dir)
 
 
-def check_reward_before_loading(script_args, tokenizer) -> None:
+def check_reward_before_loading(script_args, tokenizer=None) -> None:
     """The reward adapter a trl stage scores with (GRPO's reward, the evaluation after DPO or GRPO), checked
     before any model loads: a folder with exactly one score head that fits the width of `reward_base_path`,
     trained on that base (the base its `adapter_config.json` records; a `reward_base_path` other than `zoo` says
-    it belongs there under another name, as in PPO), and reading the policy's vocabulary (a scorer fed another
-    vocabulary's ids returns numbers, not an error)."""
+    it belongs there under another name, as in PPO). Given the policy's `tokenizer` (loaded after this first
+    call: it can convert a GGUF model), only that the reward model reads the policy's vocabulary (a scorer fed
+    another vocabulary's ids returns numbers, not an error)."""
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
     from marlhf_edu.ppo.backends import check_same_vocabulary
     from marlhf_edu.ppo.multi_adapter import check_reward_adapter_base, check_reward_head
@@ -93,11 +94,13 @@ def check_reward_before_loading(script_args, tokenizer) -> None:
 
     adapter = resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR)
     base = resolve_zoo(script_args.reward_base_path, SFT_DIR)
+    if tokenizer is not None:
+        check_same_vocabulary(tokenizer, load_tokenizer(base))
+        return
     require_adapter_folder(adapter, "reward_adapter_path")
     check_reward_head(adapter, base)  # the base it goes on
     if script_args.reward_base_path == "zoo":
         check_reward_adapter_base(adapter, base)
-    check_same_vocabulary(tokenizer, load_tokenizer(base))
 
 
 def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=None):
@@ -110,8 +113,11 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
 
     check_output_dir("dpo", script_args, training_args)  # before anything loads
     peft_config = lora_policy_config(model_args, "DPO")
+    scored = script_args.dataset_name == "toy" and script_args.eval_repeats  # the evaluation after training
+    if scored:
+        check_reward_before_loading(script_args)
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
-    if script_args.dataset_name == "toy" and script_args.eval_repeats:  # the evaluation after training needs it
+    if scored:
         check_reward_before_loading(script_args, tokenizer)
     if dataset is None:  # max_tokens and max_rows, reported, as in the reward-model stage
         dataset = select_rows(load_preference_data(script_args, tokenizer), tokenizer, script_args, "preference")

@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> dict:
     import json
     import pathlib
 
-    from marlhf_edu.keyword_judge import KeywordJudge
+    from marlhf_edu.keyword_judge import KeywordJudge, NoRequestFits
     from marlhf_edu.models import (REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR, load_reward_model, load_sft_model,
                                    load_tokenizer, loading_kwargs)
     from marlhf_edu.ppo import ScoredPolicy
-    from marlhf_edu.ppo.backends import quiet_loading
+    from marlhf_edu.ppo.backends import check_same_vocabulary, quiet_loading
     from marlhf_edu.ppo.multi_adapter import check_reward_head
     from marlhf_edu.sources import local_path, require_adapter_folder
     from marlhf_edu.stages.common import parse_stage_args
@@ -99,8 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         try:
             world = KeywordJudge(tokenizer, limit=args.prompts, max_prompt_tokens=args.max_prompt_length)
-        except ValueError as err:
+        except NoRequestFits as err:
             raise ConfigError(f"{err}: raise --max_prompt_length") from None
+    check_same_vocabulary(tokenizer, load_tokenizer(reward_base))  # the reward model must read the policy's ids
     with quiet_loading():
         policy, tokenizer = load_sft_model(args.model, **loading)
         reward, reward_tokenizer = load_reward_model(reward_base, adapter, **loading)

@@ -104,8 +104,11 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
         raise ConfigError("max_tokens keeps preference or SFT rows whose prompt and answer fit; GRPO samples its "
                           "answers: limit the prompts with max_prompt_length (and drop_long_prompts)")
     # the reward model, the prompts and their lengths are checked with the tokenizers alone, before any model loads
+    scored = script_args.reward == "reward_model" or (toy and script_args.eval_repeats)  # before training, not after
+    if scored:
+        check_reward_before_loading(script_args)
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
-    if script_args.reward == "reward_model" or (toy and script_args.eval_repeats):  # before training, not after
+    if scored:
         check_reward_before_loading(script_args, tokenizer)
     texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template
     if script_args.max_rows and len(texts) > script_args.max_rows:

@@ -97,8 +97,9 @@ def merge(args: MergeArguments) -> dict:
     out = pathlib.Path(args.output_dir)
     # never write over what the merge reads: the base would then carry the delta, and the adapter apply it twice
     protected = merge_inputs(adapter)
-    if out.resolve() in protected or any(p in out.resolve().parents for p in protected):
-        raise ConfigError(f"--output_dir {out} is the adapter or its base (or inside one): choose another folder")
+    if any(out.resolve() == p or p in out.resolve().parents or out.resolve() in p.parents for p in protected):
+        raise ConfigError(f"--output_dir {out} is the adapter or its base, inside one or holds one: choose another "
+                          "folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
         raise ConfigError(f"--output_dir {out} exists and is not empty; pass --overwrite true to replace it")
     parent = next((p for p in out.resolve().parents if p.exists()), None)  # where the merged folder will be made

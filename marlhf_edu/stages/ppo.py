@@ -179,14 +179,17 @@ def export_policy(backend, config, out_dir) -> None:
 def check_before_loading(config, backend_factory=None) -> tuple[list[str], object]:
     """The user's mistakes a model load would otherwise find first, refused as `ConfigError` before anything
     loads: an unknown tracker, an engine option the chosen engine cannot honour, a reward adapter folder that
-    does not exist or whose score head is missing or does not fit the base's width, a prompt file that cannot be read, prompts longer than `max_prompt_length`, and an evaluation
+    does not exist or whose score head is missing or does not fit the base's width, a reward model on a base of
+    its own with another vocabulary, a prompt file that cannot be read, prompts longer than `max_prompt_length`, and an evaluation
     the keyword judge cannot give (no held-out request fits in `max_prompt_length`). The prompts are read once,
     here, with the policy's tokenizer alone (an SFT adapter's is its base's: nothing is merged); returns them and
     the keyword judge (None when the run has none) for the run."""
     from marlhf_edu.data.formats import DataFileError
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
     from marlhf_edu.ppo.trainer import check_prompt_lengths
-    from marlhf_edu.ppo.multi_adapter import check_reward_head
+    from marlhf_edu.keyword_judge import NoRequestFits
+    from marlhf_edu.ppo.backends import check_same_vocabulary
+    from marlhf_edu.ppo.multi_adapter import check_reward_head, same_model_path
     from marlhf_edu.sources import require_adapter_folder
 
     if config.report_to not in ("none", "", None):
@@ -207,6 +210,8 @@ def check_before_loading(config, backend_factory=None) -> tuple[list[str], objec
     sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
     check_reward_head(adapter, config.reward_base_path or sft)
     tokenizer = load_tokenizer(sft)
+    if config.reward_base_path and not same_model_path(config.reward_base_path, sft):  # a reward model on its own base
+        check_same_vocabulary(tokenizer, load_tokenizer(config.reward_base_path))  # its tokenizer alone, no weights
     try:
         prompts = load_prompts(config, tokenizer)
     except DataFileError as err:
@@ -216,7 +221,7 @@ def check_before_loading(config, backend_factory=None) -> tuple[list[str], objec
     if config.dataset_name != "toy" and (config.eval_repeats or config.eval_every):
         try:
             judge = evaluation_judge(config, tokenizer, when="before_after" if config.eval_repeats else "periodic")
-        except ValueError as err:
+        except NoRequestFits as err:
             raise ConfigError(f"{err}: raise max_prompt_length, or set eval_repeats: 0 and eval_every: 0") from None
     return prompts, judge
 
