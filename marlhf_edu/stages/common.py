@@ -303,8 +303,9 @@ def run_trl_stage(stage: str, run, script_args, training_args, model_args):
 
     check_output_dir(stage, script_args, training_args)
     main_rank = int(os.environ.get("RANK", "0")) == 0
+    resuming = training_args.resume_from_checkpoint not in (None, False, "", "false", "False")
     with RunLock(training_args.output_dir, enabled=main_rank):
-        if script_args.overwrite_output and main_rank and training_args.resume_from_checkpoint in (None, False, "", "false", "False"):
+        if script_args.overwrite_output and main_rank and not resuming:
             for stale in pathlib.Path(training_args.output_dir).glob("checkpoint-*"):
                 shutil.rmtree(stale)
         return run(script_args, training_args, model_args)
