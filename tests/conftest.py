@@ -28,3 +28,19 @@ def build_trainer(tmp_path, backend_cls, prompts, base: dict, **overrides):
     config = PPOConfig(output_dir=str(tmp_path / backend_cls.__name__), **{**base, **overrides})
     torch.manual_seed(0)
     return PPOTrainer(backend_cls.from_config(config), config, prompts)
+
+
+def held_by_another(lock_file) -> bool:
+    """Whether some open file description holds an exclusive `flock` on `lock_file` (a run's `.lock`): tried from a
+    descriptor of its own, so a lock this very process holds elsewhere counts too."""
+    import fcntl
+    import os
+
+    fd = os.open(lock_file, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing it releases a lock it took

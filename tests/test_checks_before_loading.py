@@ -265,6 +265,8 @@ def test_trl_stages_hold_their_folder_for_the_whole_run_and_refuse_a_stopped_run
     import importlib
     import os
 
+    from conftest import held_by_another
+
     module, config = TRL_STAGES[stage]
     stage_module = importlib.import_module(module)
     out = tmp_path / "run"
@@ -277,14 +279,7 @@ def test_trl_stages_hold_their_folder_for_the_whole_run_and_refuse_a_stopped_run
     seen = {}
 
     def run(script_args, training_args, model_args):  # in place of the training: is the folder held meanwhile?
-        fd = os.open(out / ".lock", os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            seen["held"] = False
-        except BlockingIOError:
-            seen["held"] = True
-        finally:
-            os.close(fd)
+        seen["held"] = held_by_another(out / ".lock")
         seen["left"] = sorted(p.name for p in out.iterdir())
         return "trained"
 

@@ -184,8 +184,9 @@ def test_the_lock_is_held_for_the_whole_run_and_checkpoints_reach_the_disk_befor
     """Issue 37 items 7, 13: the folder is locked while the run trains and writes (checked from inside the run,
     at its last write), and every file of a checkpoint, and the `latest` pointer, is fsynced before the rename
     that publishes it, the folder after."""
-    import fcntl
     import os
+
+    from conftest import held_by_another
 
     import marlhf_edu.ppo.run_files as run_files
     import marlhf_edu.ppo.trainer as trainer_module
@@ -204,14 +205,7 @@ def test_the_lock_is_held_for_the_whole_run_and_checkpoints_reach_the_disk_befor
         real_replace(src, dst)
 
     def export(*args, **kwargs):  # the run's last write
-        fd = os.open(out / ".lock", os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            seen["held"] = False
-        except BlockingIOError:
-            seen["held"] = True
-        finally:
-            os.close(fd)
+        seen["held"] = held_by_another(out / ".lock")
         return real_export(*args, **kwargs)
 
     monkeypatch.setattr(run_files, "fsync_path", fsync)

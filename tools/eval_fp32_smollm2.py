@@ -53,6 +53,7 @@ def main(argv=None):
     from marlhf_edu.zoo import _cpu_name
 
     run, out = ROOT / args.run, ROOT / args.out
+    measured_on = f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}"
     if not (run / "policy" / "adapter_config.json").exists():
         sys.exit(f"{run}/policy: no exported adapter (adapter_config.json) to evaluate")
     import yaml
@@ -71,11 +72,10 @@ def main(argv=None):
     else:
         metrics, before_samples, seconds = evaluate(settings["sft_model_path"], settings, SFT_RECORD)
         before = {"settings": key, "model": settings["sft_model_path"], "metrics": metrics, "seconds": round(seconds, 1),
-                  "measured_on": f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}"}
+                  "measured_on": measured_on}
         sft_json.write_text(json.dumps(before, indent=2) + "\n")
         (SFT_RECORD / "eval_metrics.json").unlink(missing_ok=True)  # fp32_eval.json holds the same rates
-    with_tmp = run / "fp32_eval"
-    metrics, after_samples, seconds = evaluate(str(run / "policy"), settings, with_tmp)
+    metrics, after_samples, seconds = evaluate(str(run / "policy"), settings, run / "fp32_eval")
     tagged = [{**s, "when": "before"} for s in before_samples] + [{**s, "when": "after"} for s in after_samples]
     (out / "fp32_eval_samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in tagged))
     record = {"what": "the exported policy adapter and, before, the SFT model alone, both on the fp32 SFT model "
@@ -83,7 +83,7 @@ def main(argv=None):
               "settings": key, "before": before["metrics"], "after": metrics,
               "seconds_after": round(seconds, 1), "seconds_before": before["seconds"],
               "command": f"python tools/eval_fp32_smollm2.py --run {args.run} --out {args.out}",
-              "measured_on": f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+              "measured_on": measured_on,
               "machine": machine()}
     (out / "fp32_eval.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: record[k] for k in ("before", "after", "seconds_after")}, indent=2))

@@ -79,28 +79,33 @@ def evaluate_after(trainer, tokenizer, script_args, training_args) -> dict:
         seed=1000 + training_args.seed, output_dir=training_args.output_dir)
 
 
-def check_reward_before_loading(script_args, tokenizer=None) -> None:
+def check_reward_before_loading(script_args) -> None:
     """The reward adapter a trl stage scores with (GRPO's reward, the evaluation after DPO or GRPO), checked
-    before any model loads: a folder with exactly one score head that fits the width of `reward_base_path`,
-    trained on that base (the base its `adapter_config.json` records; a `reward_base_path` other than `zoo` says
-    it belongs there under another name, as in PPO). Given the policy's `tokenizer` (loaded after this first
-    call: it can convert a GGUF model), only that the reward model reads the policy's vocabulary (a scorer fed
-    another vocabulary's ids returns numbers, not an error)."""
-    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
-    from marlhf_edu.ppo.backends import check_same_vocabulary
+    before any model (or the policy's tokenizer, which can convert a GGUF model) loads: a folder with exactly one
+    score head that fits the width of `reward_base_path`, trained on that base (the base its
+    `adapter_config.json` records; a `reward_base_path` other than `zoo` says it belongs there under another name,
+    as in PPO). `check_reward_vocabulary` follows once the policy's tokenizer is loaded."""
+    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR
     from marlhf_edu.ppo.multi_adapter import check_reward_adapter_base, check_reward_head
     from marlhf_edu.sources import require_adapter_folder
     from marlhf_edu.stages.common import resolve_zoo
 
     adapter = resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR)
     base = resolve_zoo(script_args.reward_base_path, SFT_DIR)
-    if tokenizer is not None:
-        check_same_vocabulary(tokenizer, load_tokenizer(base))
-        return
     require_adapter_folder(adapter, "reward_adapter_path")
     check_reward_head(adapter, base)  # the base it goes on
     if script_args.reward_base_path == "zoo":
         check_reward_adapter_base(adapter, base)
+
+
+def check_reward_vocabulary(script_args, tokenizer) -> None:
+    """The reward model reads the policy's vocabulary (`tokenizer`), compared from the tokenizers alone: a scorer
+    fed another vocabulary's ids returns numbers, not an error."""
+    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.ppo.backends import check_same_vocabulary
+    from marlhf_edu.stages.common import resolve_zoo
+
+    check_same_vocabulary(tokenizer, load_tokenizer(resolve_zoo(script_args.reward_base_path, SFT_DIR)))
 
 
 def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=None):
@@ -118,7 +123,7 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
         check_reward_before_loading(script_args)
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
     if scored:
-        check_reward_before_loading(script_args, tokenizer)
+        check_reward_vocabulary(script_args, tokenizer)
     if dataset is None:  # max_tokens and max_rows, reported, as in the reward-model stage
         dataset = select_rows(load_preference_data(script_args, tokenizer), tokenizer, script_args, "preference")
     check_lengths(dataset, tokenizer, training_args.max_length)  # before the model loads

@@ -86,7 +86,8 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
     from marlhf_edu.ppo.backends import quiet_loading
     from marlhf_edu.stages.common import check_output_dir, resolve_zoo
-    from marlhf_edu.stages.dpo import check_reward_before_loading, evaluate_after, load_policy, lora_policy_config
+    from marlhf_edu.stages.dpo import (check_reward_before_loading, check_reward_vocabulary, evaluate_after, load_policy,
+                                       lora_policy_config)
     from marlhf_edu.stages.ppo import load_prompts
 
     check_output_dir("grpo", script_args, training_args)  # before anything loads
@@ -109,7 +110,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
         check_reward_before_loading(script_args)
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
     if scored:
-        check_reward_before_loading(script_args, tokenizer)
+        check_reward_vocabulary(script_args, tokenizer)
     texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template
     if script_args.max_rows and len(texts) > script_args.max_rows:
         print(f"prompts: using the first {script_args.max_rows} of {len(texts)} (max_rows)")
