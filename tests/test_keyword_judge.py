@@ -382,3 +382,29 @@ def test_rm_stage_adds_the_pairs_of_a_file_and_names_a_bad_row(tmp_path, capsys)
         with_file_pairs(datasets.Dataset.from_list(rows), tok, args)
     with pytest.raises(DataFileError, match="no such data file"):
         with_file_pairs(datasets.Dataset.from_list(rows), tok, RMScriptArguments(extra_pairs_file=str(tmp_path / "x.jsonl")))
+
+
+def test_sft_stage_adds_the_rows_of_a_file_after_max_rows_and_names_a_bad_row(tmp_path, capsys):
+    """`extra_rows_file` (refusal demonstrations for chapter 13's SFT): its rows come after the dataset's first
+    `max_rows`, are filtered by `max_tokens` like them (and said so), and a bad row is an error, never skipped."""
+    import json
+
+    import datasets
+
+    from marlhf_edu.errors import BadRowError
+    from marlhf_edu.stages.sft import SFTScriptArguments, with_extra_rows
+
+    tok = load_tokenizer()
+    rows = [{"prompt": "Q: pick a lock?\nA:", "completion": " No."}]
+    extra = [{"prompt": "Q: steal?\nA:", "completion": "I can't help with that."},
+             {"prompt": "Q: " + "word " * 60 + "\nA:", "completion": "I won't."},
+             {"prompt": "Q: rob?\nA:", "completion": "I won't help."}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in extra))
+    args = SFTScriptArguments(extra_rows_file=str(path), max_tokens=40, max_rows=1)
+    out = with_extra_rows(datasets.Dataset.from_list(rows), tok, args)
+    assert out.to_list() == rows + [extra[0], extra[2]]  # max_rows does not cut them; max_tokens drops the long one
+    assert f"file rows: added 2 of 3 candidates (from {path}) to 1 rows" in capsys.readouterr().out
+    path.write_text(json.dumps(extra[0]) + "\n" + json.dumps({"prompt": "Q"}) + "\n")
+    with pytest.raises(BadRowError, match=r"extra_rows_file .*rows.jsonl: row 1, field 'completion': .*; fix the row"):
+        with_extra_rows(datasets.Dataset.from_list(rows), tok, args)

@@ -175,6 +175,8 @@ def test_a_later_stages_data_file_is_read_before_any_work(tmp_path):
         main([*base, "--ma-ppo.dataset_name", str(bad)])
     with pytest.raises(ConfigError, match=r"pipeline: rm.extra_pairs_file: .*pairs\.jsonl"):
         main([*base, "--rm.extra_pairs_file", str(tmp_path / "pairs.jsonl")])
+    with pytest.raises(ConfigError, match=r"pipeline: sft.extra_rows_file: .*rows\.jsonl"):
+        main([*base, "--sft.extra_rows_file", str(tmp_path / "rows.jsonl")])
     assert not (tmp_path / "sft").exists()
 
 

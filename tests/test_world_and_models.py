@@ -177,17 +177,28 @@ def test_qlora_is_a_config_switch(tmp_path):
     from marlhf_edu.stages.common import parse_stage_args
     from marlhf_edu.stages.sft import SFTScriptArguments, run_sft
 
+    import json
+
+    from marlhf_edu.models import TOKENIZER_DIR, load_tokenizer
+    from marlhf_edu.stages.common import select_rows
+    from marlhf_edu.stages.sft import load_sft_data
+
+    extra = tmp_path / "extra_rows.jsonl"  # and the stage reads extra_rows_file: one more row than the config's
     args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig), [
-        "--config", "configs/tiny_sft.yaml", "--model_name_or_path", str(SFT_DIR), "--output_dir", str(tmp_path),
+        "--config", "configs/tiny_sft.yaml", "--model_name_or_path", str(SFT_DIR), "--output_dir", str(tmp_path / "out"),
         "--load_in_4bit", "true", "--use_peft", "true", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj",
-        "--max_steps", "2", "--logging_steps", "1", "--dtype", "float32"])
+        "--max_steps", "2", "--logging_steps", "1", "--dtype", "float32", "--extra_rows_file", str(extra)])
+    tok = load_tokenizer(TOKENIZER_DIR)
+    rows = select_rows(load_sft_data(args[0], tok), tok, args[0], "SFT")
+    extra.write_text(json.dumps(rows[0]) + "\n")
     trainer = run_sft(*args)
+    assert len(trainer.train_dataset) == len(rows) + 1
     import bitsandbytes as bnb
 
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules())
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    assert (tmp_path / "adapter_model.safetensors").exists()
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
     # the stage guards its 4-bit base: trl's no-grad evaluation passes cannot repack it for CPU inference
     linear4 = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert all(m.support_avx512bf16_for_cpu is False for m in linear4)

@@ -197,6 +197,39 @@ def select_rows(dataset, tokenizer, script_args, kind: str):
     return dataset
 
 
+def append_rows(dataset, extra: list[dict], tokenizer, script_args, what: str, detail: str):
+    """`dataset` + the `extra` rows that fit in `max_tokens`, with how many were added printed (preference pairs
+    get margin 0 where there is a `margin` column: the pair's rating was for another answer)."""
+    from dataclasses import replace
+
+    import datasets
+
+    if "margin" in dataset.column_names:
+        extra = [{**p, "margin": 0.0} for p in extra]  # a margin rated another answer
+    extra = [{k: p[k] for k in dataset.column_names} for p in extra]
+    before = len(extra)
+    extra = select_rows(datasets.Dataset.from_list(extra, features=dataset.features), tokenizer,
+                        replace(script_args, max_rows=0), what)  # max_rows counted the dataset's rows, not these
+    unit = "pairs" if "chosen" in dataset.column_names else "rows"
+    print(f"{what}s: added {len(extra)} of {before} candidates ({detail}) to {len(dataset)} {unit}")
+    return datasets.concatenate_datasets([dataset, extra])
+
+
+def with_file_rows(dataset, tokenizer, script_args, key: str, what: str, load):
+    """`dataset` followed by the rows of the local file named by `script_args.<key>` (read by `load(path)`) that
+    fit in `max_tokens` (those that do not are left out as the dataset's are, and counted in the printed line).
+    A bad row is an error naming the key, the file, the row and the field: these rows were written on purpose,
+    so `skip_bad_rows` does not apply to them."""
+    from marlhf_edu.errors import BadRowError
+
+    path = getattr(script_args, key)
+    try:
+        extra = load(path).to_list()
+    except BadRowError as err:
+        raise err.refused_in(f"{key} {path}", hint="fix the row: these rows are never skipped") from None
+    return append_rows(dataset, extra, tokenizer, script_args, what, f"from {path}")
+
+
 def record_base(output_dir, model_ref: str) -> None:
     """Write the model reference a saved adapter was trained on into its `adapter_config.json`, so the adapter
     resolves anywhere (`smollm2`, `zoo`, a hub id) instead of naming this machine's cache directory."""

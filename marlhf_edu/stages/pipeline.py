@@ -275,7 +275,7 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
 
 
 #: The settings through which a stage reads data files of its own (not written by an earlier stage).
-DATA_KEYS = ("dataset_name", "extra_pairs_file")
+DATA_KEYS = ("dataset_name", "extra_pairs_file", "extra_rows_file")
 
 
 def check_stage_data(name: str, parsed) -> None:

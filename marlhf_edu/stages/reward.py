@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marlhf_edu.errors import BadRowError, ConfigError
-from marlhf_edu.stages.common import DataArguments
+from marlhf_edu.stages.common import DataArguments, append_rows
 
 
 @dataclass
@@ -114,7 +114,7 @@ def with_refusal_pairs(dataset, tokenizer, script_args):
     if not extra:
         raise ConfigError(f"refusal_pairs: no pair of {len(dataset)} has a compliant rejected answer to pair a "
                           "refusal with (set refusal_pairs: 0 for this data)")
-    return _append_pairs(dataset, extra, tokenizer, script_args, "refusal pair",
+    return append_rows(dataset, extra, tokenizer, script_args, "refusal pair",
                          f"refusals from {pool} preferred pairs")
 
 
@@ -129,7 +129,7 @@ def with_evasion_pairs(dataset, tokenizer, script_args, source=None):
     extra = evasion_pairs(source.to_list(), template_for(tokenizer), script_args.evasion_pairs)
     prompts = set(source["prompt"])
     harmful = sum(p["prompt"] in prompts for p in extra)
-    return _append_pairs(dataset, extra, tokenizer, script_args, "evasion pair",
+    return append_rows(dataset, extra, tokenizer, script_args, "evasion pair",
                          f"{harmful} refusal > evasion, {len(extra) - harmful} answers to "
                          f"{min(len(extra) - harmful, len(HELPFUL_ANSWERS))} harmless questions > evasion or refusal")
 
@@ -138,31 +138,10 @@ def with_file_pairs(dataset, tokenizer, script_args):
     """`dataset` followed by the pairs of `extra_pairs_file` that fit in `max_tokens` (a bad row is an error naming
     the file, the row and the key: these pairs were made on purpose, none is skipped silently)."""
     from marlhf_edu.data import load_preferences
+    from marlhf_edu.stages.common import with_file_rows
 
-    path = script_args.extra_pairs_file
-    try:
-        extra = load_preferences(path, "trl", tokenizer=tokenizer).to_list()
-    except BadRowError as err:
-        raise err.refused_in(f"extra_pairs_file {path}", hint="fix the row: these pairs are never skipped") from None
-    return _append_pairs(dataset, extra, tokenizer, script_args, "file pair", f"from {path}")
-
-
-def _append_pairs(dataset, extra: list[dict], tokenizer, script_args, what: str, detail: str):
-    """`dataset` + the `extra` rows that fit in `max_tokens` (with margin 0 where there is a `margin` column: the pair's rating was for another answer)."""
-    from dataclasses import replace
-
-    import datasets
-
-    from marlhf_edu.stages.common import select_rows
-
-    if "margin" in dataset.column_names:
-        extra = [{**p, "margin": 0.0} for p in extra]  # a margin rated another answer
-    extra = [{k: p[k] for k in dataset.column_names} for p in extra]
-    before = len(extra)
-    extra = select_rows(datasets.Dataset.from_list(extra, features=dataset.features), tokenizer,
-                        replace(script_args, max_rows=0), what)
-    print(f"{what}s: added {len(extra)} of {before} candidates ({detail}) to {len(dataset)} pairs")
-    return datasets.concatenate_datasets([dataset, extra])
+    return with_file_rows(dataset, tokenizer, script_args, "extra_pairs_file", "file pair",
+                          lambda path: load_preferences(path, "trl", tokenizer=tokenizer))
 
 
 def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=None):

@@ -21,6 +21,11 @@ from marlhf_edu.stages.common import DataArguments
 class SFTScriptArguments(DataArguments):
     dataset_format: str = field(default="prompt-completion", metadata={"help": "'alpaca', 'hh-rlhf', 'pku-saferlhf' or 'prompt-completion'"})
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "defaults to the model's, or the toy tokenizer"})
+    extra_rows_file: str = field(default="", metadata={"help": "a local .jsonl of rows in prompt-completion form "
+                                                              "(chat-rendered prompts) added after the dataset's "
+                                                              "rows (after max_rows), e.g. refusal demonstrations "
+                                                              "(tools/refusal_demos_smollm2.py); "
+                                                              "empty = none"})
 
 
 def load_sft_data(script_args, tokenizer=None):
@@ -33,6 +38,16 @@ def load_sft_data(script_args, tokenizer=None):
         return load_sft(ToyWorld(ToyWorldConfig(seed=script_args.toy_seed)).sft_rows(), "prompt-completion")
     return load_sft(script_args.dataset_name, script_args.dataset_format, split=script_args.dataset_split,
                     skip_bad_rows=script_args.skip_bad_rows, tokenizer=tokenizer)
+
+
+def with_extra_rows(dataset, tokenizer, script_args):
+    """`dataset` followed by the rows of `extra_rows_file` that fit in `max_tokens` (a bad row is an error naming
+    the file, the row and the key)."""
+    from marlhf_edu.data import load_sft
+    from marlhf_edu.stages.common import with_file_rows
+
+    return with_file_rows(dataset, tokenizer, script_args, "extra_rows_file", "file row",
+                          lambda path: load_sft(path, "prompt-completion", tokenizer=tokenizer))
 
 
 def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=None):
@@ -57,6 +72,8 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     tokenizer = load_tokenizer(script_args.tokenizer_name_or_path or (TOKENIZER_DIR if name == "tiny-llama" else name))
     if dataset is None:
         dataset = select_rows(load_sft_data(script_args, tokenizer), tokenizer, script_args, "SFT")
+    if script_args.extra_rows_file:
+        dataset = with_extra_rows(dataset, tokenizer, script_args)
     check_lengths(dataset, tokenizer, training_args.max_length)  # trl would cut a longer row, EOS and all
     load_kwargs = {**quantization_and_device_map(model_args)}
     if name == "tiny-llama":
