@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from marlhf_edu.errors import BadRowError, ConfigError
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.stages.common import DataArguments, append_rows
 
 
@@ -115,7 +115,7 @@ def with_refusal_pairs(dataset, tokenizer, script_args):
         raise ConfigError(f"refusal_pairs: no pair of {len(dataset)} has a compliant rejected answer to pair a "
                           "refusal with (set refusal_pairs: 0 for this data)")
     return append_rows(dataset, extra, tokenizer, script_args, "refusal pair",
-                         f"refusals from {pool} preferred pairs")
+                       f"refusals from {pool} preferred pairs")
 
 
 def with_evasion_pairs(dataset, tokenizer, script_args, source=None):
@@ -130,13 +130,13 @@ def with_evasion_pairs(dataset, tokenizer, script_args, source=None):
     prompts = set(source["prompt"])
     harmful = sum(p["prompt"] in prompts for p in extra)
     return append_rows(dataset, extra, tokenizer, script_args, "evasion pair",
-                         f"{harmful} refusal > evasion, {len(extra) - harmful} answers to "
-                         f"{min(len(extra) - harmful, len(HELPFUL_ANSWERS))} harmless questions > evasion or refusal")
+                       f"{harmful} refusal > evasion, {len(extra) - harmful} answers to "
+                       f"{min(len(extra) - harmful, len(HELPFUL_ANSWERS))} harmless questions > evasion or refusal")
 
 
 def with_file_pairs(dataset, tokenizer, script_args):
     """`dataset` followed by the pairs of `extra_pairs_file` that fit in `max_tokens` (a bad row is an error naming
-    the file, the row and the key: these pairs were made on purpose, none is skipped silently)."""
+    the file, the row and the key: these pairs were made on purpose, so `skip_bad_rows` does not apply to them)."""
     from marlhf_edu.data import load_preferences
     from marlhf_edu.stages.common import with_file_rows
 
