@@ -35,7 +35,8 @@ OUT = ROOT / "benchmarks" / "smollm2_refusal_sft"
 
 
 def paired_changes(before: list[dict], after: list[dict]) -> dict:
-    """Rates before (the shipped SFT model) and after (this SFT model) and the paired change of each, in points."""
+    """Rates before (the shipped SFT model, or the run of `--against`) and after (this SFT model) and the paired
+    change of each, in points."""
     from marlhf_edu.evaluation import before_after_change
     from marlhf_edu.keyword_judge import is_strict_refusal
 
