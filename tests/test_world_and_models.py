@@ -172,16 +172,13 @@ def test_reward_stage_refuses_lora_without_trained_head(tmp_path):
 
 def test_qlora_is_a_config_switch(tmp_path):
     """The same SFT stage, with load_in_4bit + LoRA, trains on CPU through bitsandbytes."""
-    from trl import ModelConfig, SFTConfig
-
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.sft import SFTScriptArguments, run_sft
-
     import json
 
+    from trl import ModelConfig, SFTConfig
+
     from marlhf_edu.models import TOKENIZER_DIR, load_tokenizer
-    from marlhf_edu.stages.common import select_rows
-    from marlhf_edu.stages.sft import load_sft_data
+    from marlhf_edu.stages.common import parse_stage_args, select_rows
+    from marlhf_edu.stages.sft import SFTScriptArguments, load_sft_data, run_sft
 
     extra = tmp_path / "extra_rows.jsonl"  # and the stage reads extra_rows_file: one more row than the config's
     args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig), [

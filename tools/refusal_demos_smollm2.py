@@ -95,14 +95,15 @@ LEFT_OUT = {
 
 def candidates(tokenizer):
     """(index, row) of the training dialogues that fit in 128 tokens, after the shipped SFT's rows, whose answer
-    the keyword judge calls a strict refusal."""
+    the keyword judge calls a strict refusal; and how many of the shipped SFT's own rows are."""
     from marlhf_edu.data import load_sft
     from marlhf_edu.keyword_judge import is_strict_refusal
     from marlhf_edu.stages.common import select_rows
 
     rows = load_sft("hh-rlhf-harmless-base", "hh-rlhf", split="train", skip_bad_rows=True, tokenizer=tokenizer)
     rows = select_rows(rows, tokenizer, SimpleNamespace(max_tokens=128, max_rows=0), "SFT").to_list()
-    return [(i, row) for i, row in enumerate(rows) if i >= SHIPPED_ROWS and is_strict_refusal(row["completion"])]
+    strict = [(i, row) for i, row in enumerate(rows) if is_strict_refusal(row["completion"])]
+    return [(i, row) for i, row in strict if i >= SHIPPED_ROWS], sum(i < SHIPPED_ROWS for i, _ in strict)
 
 
 def main():
@@ -111,7 +112,8 @@ def main():
     from marlhf_edu.models import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
-    found = candidates(tokenizer)
+    found, in_shipped = candidates(tokenizer)
+    print(f"strict refusals among the shipped SFT's {SHIPPED_ROWS} rows: {in_shipped}; candidates after them: {len(found)}")
     indices = {i for i, _ in found}
     if indices != set(KEPT) | set(LEFT_OUT) or set(KEPT) & set(LEFT_OUT):
         sys.exit(f"the candidates changed: {sorted(indices ^ (set(KEPT) | set(LEFT_OUT)))} differ from "

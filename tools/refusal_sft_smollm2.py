@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_ppo import machine  # noqa: E402
-from eval_fp32_smollm2 import SFT_RECORD  # noqa: E402
+from eval_fp32_smollm2 import SFT_RECORD, evaluate  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "smollm2_refusal_sft"
 
@@ -80,7 +80,6 @@ def main(argv=None):
 
     import torch
 
-    from marlhf_edu.stages.evaluate import main as evaluate_main
     from marlhf_edu.stages.sft import main as sft_main
     from marlhf_edu.zoo import _cpu_name, ship_adapter
 
@@ -91,14 +90,9 @@ def main(argv=None):
             else ["--max_rows", str(args.max_rows), *(["--extra_rows_file", args.rows] if args.rows else [])])
     sft_argv = ["--config", "configs/smollm2/sft.yaml", "--output_dir", str(run / "sft_work"), "--overwrite_output",
                 "true", "--num_train_epochs", str(args.epochs), *data]
-    eval_argv = ["--model", str(run / "sft_adapter"), "--reward_adapter", settings["reward_adapter_path"],
-                 "--judge", "keyword", "--prompts", str(settings["eval_prompts"]), "--repeats",
-                 str(settings["eval_repeats"]), "--max_new_tokens", str(settings["max_new_tokens"]),
-                 "--temperature", str(settings["temperature"]), "--seed", "0", "--device", "cpu", "--dtype",
-                 "float32", "--load_in_4bit", "false", "--output_dir", str(run / "fp32_eval")]
     if args.reuse:  # the run's own record of what it ran: a reused run must be the run these arguments describe
         ran = json.loads((run / "run.json").read_text())
-        if ran["sft_argv"] != sft_argv or ran["eval_argv"] != eval_argv:
+        if ran["sft_argv"] != sft_argv or ran["evaluation"] != settings:
             sys.exit(f"{run}/run.json: that run was made with other arguments ({ran['sft_argv']}); run it again")
     else:
         start = time.perf_counter()
@@ -106,17 +100,17 @@ def main(argv=None):
         (run / "losses.jsonl").write_text("".join(json.dumps({"epoch": h["epoch"], "loss": h["loss"]}) + "\n"
                                                   for h in trainer.state.log_history if "loss" in h))
         ship_adapter(run / "sft_work", run / "sft_adapter", "smollm2", dtype=torch.float16)
-        ran = {"sft_argv": sft_argv, "eval_argv": eval_argv, "sft_steps": trainer.state.global_step,
+        ran = {"sft_argv": sft_argv, "evaluation": settings, "sft_steps": trainer.state.global_step,
                "sft_rows": len(trainer.train_dataset), "sft_s": round(time.perf_counter() - start, 1)}
-        start = time.perf_counter()
-        evaluate_main(eval_argv)
-        ran.update(eval_s=round(time.perf_counter() - start, 1),
+        # judged exactly as tools/eval_fp32_smollm2.py judged the shipped SFT model (its `evaluate`)
+        _, _, seconds = evaluate(str(run / "sft_adapter"), settings, run / "fp32_eval")
+        ran.update(eval_s=round(seconds, 1),
                    measured_on=f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
                    machine=machine())
         (run / "run.json").write_text(json.dumps(ran, indent=2) + "\n")
     before = [json.loads(line) for line in open(SFT_RECORD / "eval_samples.jsonl")]
     after = [json.loads(line) for line in open(run / "fp32_eval" / "eval_samples.jsonl")]
-    # the settings match by construction (eval_argv is built from the shipped model's record); the requests must too
+    # the settings match by construction (the shipped model's record); the requests must too
     if [(s["question"], s["kind"]) for s in before] != [(s["question"], s["kind"]) for s in after]:
         sys.exit("the answers do not pair with the shipped SFT model's: other requests, or in another order")
     losses = [json.loads(line) for line in open(run / "losses.jsonl")]  # trl's log every logging_steps
@@ -128,8 +122,8 @@ def main(argv=None):
               "evaluation": {**settings, "sft_model_path": str(run.relative_to(ROOT) / "sft_adapter")},
               "compared_with": str(SFT_RECORD.relative_to(ROOT)),
               "changes_points": paired_changes(before, after), "sft_losses": losses,
-              **{k: v for k, v in ran.items() if k not in ("sft_argv", "eval_argv")},
-              **{k: [a.replace(f"{ROOT}/", "") for a in ran[k]] for k in ("sft_argv", "eval_argv")},  # repo-relative
+              **{k: v for k, v in ran.items() if k not in ("sft_argv", "evaluation")},
+              "sft_argv": [a.replace(f"{ROOT}/", "") for a in ran["sft_argv"]],  # repo-relative
               "command": command + (f" --against {args.against}" if args.against else "")}
     if args.against:
         other = [json.loads(line) for line in open(OUT / args.against / "eval_samples.jsonl")]
