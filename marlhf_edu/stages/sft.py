@@ -42,7 +42,9 @@ def load_sft_data(script_args, tokenizer=None):
 
 def with_extra_rows(dataset, tokenizer, script_args):
     """`dataset` followed by the rows of `extra_rows_file` that fit in `max_tokens` (a bad row is an error naming
-    the file, the row and the key)."""
+    the file, the row and the key).
+
+    Used in chapter 13 ("Refusals taught in SFT, before any PPO")."""
     from marlhf_edu.data import load_sft
     from marlhf_edu.stages.common import with_file_rows
 
