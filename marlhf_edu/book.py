@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import random
+import re
 import warnings
 
 
@@ -29,6 +30,52 @@ class Source:
 def show(obj) -> Source:
     """Display the package's own implementation of `obj` (function, class or module)."""
     return Source(obj)
+
+
+# ASCII punctuation that Markdown could read as markup (`&lt;` as an entity; `$` opens math in MyST); a backslash
+# keeps each literal, as CommonMark allows before any ASCII punctuation
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_\[\]<>|$~#!&])")
+
+
+class Table:
+    """Rows of a chapter's table: `header` (n labels) and `rows` (each n cells, formatted by the chapter).
+
+    Where a notebook renders Markdown (JupyterLab, the book's site) it is a Markdown table whose long labels
+    wrap inside their column (a right-aligned figure such as "+2.0 (-0.8, +4.7)" only before its bracket),
+    so a wide table still fits the site's text column. Its plain-text form, which nbval compares and a
+    terminal shows, is the same cells aligned in columns. `align` has one letter a column, `l` or `r`
+    (default: the first column left, the others right). The chapters from 04 on print their tables with it;
+    chapter 13, which compares many runs, most.
+    """
+
+    def __init__(self, header, rows, align: str | None = None):
+        self.header = [str(h) for h in header]
+        self.rows = [[str(c) for c in row] for row in rows]
+        self.align = align or "l" + "r" * (len(self.header) - 1)
+        for i, row in enumerate(self.rows):
+            if len(row) != len(self.header):
+                raise ValueError(f"Table: row {i} has {len(row)} cells, the header {len(self.header)}: {row}")
+        for i, row in enumerate([self.header, *self.rows]):
+            if any("\n" in cell for cell in row):  # a Markdown table row is one line
+                raise ValueError(f"Table: {'the header' if i == 0 else f'row {i - 1}'} has a line break in a cell: {row}")
+        if len(self.align) != len(self.header) or set(self.align) - {"l", "r"}:
+            raise ValueError(f"Table: align {self.align!r} needs one of 'l' or 'r' for each of "
+                             f"{len(self.header)} columns")
+
+    def __repr__(self) -> str:
+        lines = [self.header, *self.rows]
+        widths = [max(len(line[k]) for line in lines) for k in range(len(self.header))]
+        return "\n".join("  ".join(cell.ljust(w) if a == "l" else cell.rjust(w)
+                                   for cell, w, a in zip(line, widths, self.align)).rstrip() for line in lines)
+
+    def _repr_markdown_(self) -> str:
+        def row(cells, figures=False):
+            if figures:  # a right-aligned cell is a figure: it may break before its bracketed interval, nowhere else
+                cells = [re.sub(r" (?![(\[])", "\u00a0", c) if a == "r" else c for c, a in zip(cells, self.align)]
+            return "| " + " | ".join(_MARKDOWN_PUNCTUATION.sub(r"\\\1", c) for c in cells) + " |"
+
+        rule = "|" + "|".join(" --- " if a == "l" else " ---: " for a in self.align) + "|"
+        return "\n".join([row(self.header), rule, *(row(r, figures=True) for r in self.rows)])
 
 
 def setup(seed: int = 0) -> None:

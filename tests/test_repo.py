@@ -145,6 +145,60 @@ def test_every_figure_has_a_caption_and_a_name(nb_path):
     assert not missing, missing
 
 
+# The site wraps plain-text outputs at its text column (issue 36; about 76 characters at 1280 px), which breaks a
+# text table's columns apart. Tables print with marlhf_edu.book.Table (a Markdown table on the site) or fit in 76.
+# What the rule still finds: the `marlhf-edu memory` and `preflight` commands' own reports (ch10, ch12, ch14),
+# a tensor printed over two lines (ch09), aligned prose and answer listings (ch10, ch11, ch12, ch15). The
+# numbers may only go down.
+WIDE_TEXT_TABLES = {"09_four_model_loop": 1, "10_multi_adapter": 2, "11_overoptimisation_and_evaluation": 1,
+                    "12_dpo_and_grpo": 2, "14_scaling_out": 1, "15_launching_7b": 1}
+
+
+def wide_text_table_cells(nb: dict, width: int = 76) -> list[int]:
+    """Code cells whose plain-text output has a line wider than `width` laid out in columns (two or more gaps of
+    two spaces or more between words; a printed tensor's are not columns). Outputs with a Markdown form (show(),
+    Table) render as Markdown instead."""
+    cells = []
+    for i, cell in enumerate(nb["cells"]):
+        text = "".join("".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
+                       for out in cell.get("outputs", []) if "text/markdown" not in out.get("data", {}))
+        if any(len(line) > width and "tensor(" not in line and len(re.findall(r"(?<=\S) {2,}(?=\S)", line)) >= 2
+               for line in text.splitlines()):
+            cells.append(i)
+    return cells
+
+
+@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+def test_text_tables_fit_the_site_column(nb_path):
+    nb = json.loads(nb_path.read_text())
+    wide = wide_text_table_cells(nb)
+    allowed = WIDE_TEXT_TABLES.get(nb_path.stem, 0)
+    assert len(wide) <= allowed, f"{nb_path.name}: cells {wide} print tables wider than 76 characters; use Table"
+    assert len(wide) == allowed, f"{nb_path.name}: {len(wide)} such cells now: lower WIDE_TEXT_TABLES to match"
+
+
+@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
+def test_printed_text_stays_where_it_was_printed(nb_path):
+    """The site merges a cell's printed text into one block where the first of it stands (nb_merge_streams), so a
+    line printed after a table or a figure that follows other printed lines would move above it there, and stay
+    below it in Jupyter. Print everything before the table or figure, or split the cell."""
+    moved = []
+    for i, cell in enumerate(json.loads(nb_path.read_text())["cells"]):
+        kinds = [out.get("name") if out["output_type"] == "stream" else "display" for out in cell.get("outputs", [])]
+        for name in {"stdout", "stderr"} & set(kinds):
+            first, last = kinds.index(name), len(kinds) - 1 - kinds[::-1].index(name)
+            if "display" in kinds[first:last]:
+                moved.append(i)
+    assert not moved, f"{nb_path.name}: cells {moved} print on both sides of a table or figure"
+
+
+def test_the_wide_table_rule_sees_a_table_and_not_prose():
+    """A row of chapter 13's seed table printed as text, as it was before Table, fails the rule; prose does not."""
+    row = ["0", "40 → 22", "65% → 9%", "-0.49 [-0.69, -0.30]", "+0.22 [-0.11, +0.53]", "length_runaway"]
+    assert wide_text_table_cells({"cells": [{"outputs": [{"text": "   ".join(row)}]}]}) == [0]
+    assert wide_text_table_cells({"cells": [{"outputs": [{"text": " ".join(row) * 2}]}]}) == []
+
+
 def test_no_module_reaches_upward_for_an_error_class():
     """Issue 37/36: the shared errors live at the bottom of the package (`marlhf_edu.errors`, which imports nothing
     of the package); no module outside `stages` imports `stages.common` for one, and the old names are the same
