@@ -289,7 +289,8 @@ def test_executing_a_chapter_prints_progress(capsys, tmp_path):
 def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
     """Issue 36: JupyterLab renders Markdown, not MyST, so a chapter showed "{eq}`gae`", "{numref}`fig-…`" and a
     stray "(td-error)" under each labelled equation. The learner edition (`make lab`) carries the site's numbers
-    instead (`book.plain_roles`). Opened in JupyterLab in headless Chromium, as a reader opens it."""
+    instead (`book.plain_roles`). Opened in JupyterLab in headless Chromium, as a reader opens it; a chapter's
+    `Table` output is a rendered table there, not Markdown source."""
     import os
     import socket
     import subprocess
@@ -305,6 +306,7 @@ def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
     from playwright.sync_api import sync_playwright
 
     book.cmd_learner(["05_gae"], out=tmp_path)
+    shutil.copy(ROOT / "notebooks" / "06_ppo_losses.ipynb", tmp_path / "06_instructor.ipynb")  # stored outputs
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -335,6 +337,12 @@ def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
             shots = ROOT / "build" / "site-check"
             shots.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(shots / "jupyterlab_05_gae.png"))
+            # a marlhf_edu.book.Table output is a Markdown table in JupyterLab too (chapter 06 shows one; the
+            # learner edition has no outputs, so the instructor copy, as `make teach` opens it)
+            page.goto(base + "/lab/tree/06_instructor.ipynb", wait_until="load")
+            page.wait_for_selector(".jp-OutputArea-output table", timeout=90_000)
+            table = page.locator(".jp-OutputArea-output table", has_text="sequence-mean").first
+            cells = table.evaluate("t => [...t.querySelectorAll('th, td')].map(c => c.textContent.trim())")
             browser.close()
     finally:
         server.terminate()
@@ -343,3 +351,5 @@ def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
     raw = re.findall(r"\{(?:eq|numref|doc|ref)\}`[^`]*`|\((?:td-error|gae)\)", text)
     assert not raw, raw
     assert "Figure 5.1" in text and "(5.2)" in text  # the site's numbers, as plain text
+    assert cells[:6] == ["", "token weight, short", "token weight, long", "response weight, short",
+                         "response weight, long", "token-mean"], cells
