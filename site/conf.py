@@ -11,6 +11,8 @@ import os
 import re
 
 import marlhf_edu
+from docutils import nodes
+from sphinx.transforms import SphinxTransform
 
 project = "marlhf-edu"
 author = "the marlhf-edu authors"
@@ -96,7 +98,20 @@ def field_help(app, what, name, obj, options, lines):
         lines.append(f":param {f.name}: {text}")
 
 
+class OutputsAsPrinted(SphinxTransform):
+    """Cell outputs show what the code printed: Sphinx's smart quotes leave them alone, so a model's answer quoted
+    in a table ("I'm sorry for") keeps its straight quotes. Prose keeps typographic quotes."""
+
+    default_priority = 700  # before SphinxSmartQuotes (750)
+
+    def apply(self, **kwargs):
+        for node in self.document.findall(nodes.container):
+            if "cell_output" in node.get("classes", []):
+                node["support_smartquotes"] = False
+
+
 def setup(app):
+    app.add_transform(OutputsAsPrinted)
     app.connect("autodoc-process-docstring", link_chapters)
     app.connect("autodoc-process-docstring", field_help)
     app.connect("env-get-updated", number_per_chapter, priority=900)  # after Sphinx's own numbering (500)

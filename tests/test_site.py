@@ -207,6 +207,23 @@ def test_outputs_wrap_to_the_text_column(browser, site):
     assert not wide, f"output blocks wider than the text column: {wide}"
 
 
+def test_tables_render_and_outputs_keep_their_quotes(browser, site):
+    """A chapter's Table output is an HTML table on the site (site/conf.py reads Markdown outputs as GitHub
+    Markdown), and an output shows what the code printed: chapter 13's table of the answers' openings keeps the
+    model's straight quotes, where Sphinx's smart quotes would print “I’m sorry for” (site/conf.py's
+    OutputsAsPrinted). Prose keeps typographic quotes."""
+    page = open_page(browser, site + "chapters/13_real_model.html")
+    outputs = page.evaluate("() => [...document.querySelectorAll('div.cell_output')].map(e => e.textContent)")
+    tables = page.evaluate("() => [...document.querySelectorAll('div.cell_output table')].map(e => e.textContent)")
+    prose = page.evaluate(VISIBLE_PROSE)
+    page.close()
+    assert len(tables) >= 15, len(tables)
+    openings = next(t for t in tables if "commonest opening" in t)
+    assert "\"I'm sorry for\"\u00a04%" in openings or "\"I'm sorry for\" 4%" in openings, openings
+    assert not [o[:80] for o in outputs if "“" in o or "’" in o]
+    assert "“I’m sorry for any confusion" in prose  # the prose quoting an answer
+
+
 def test_answers_are_folded_and_closed(browser, site):
     """The site shows the instructor copies with every answer folded (tools/book.py fold_answers): each model
     answer in a closed <details>, the exercise's solution source behind myst-nb's closed toggle."""
