@@ -57,7 +57,8 @@ class Table:
                 raise ValueError(f"Table: row {i} has {len(row)} cells, the header {len(self.header)}: {row}")
         for i, row in enumerate([self.header, *self.rows]):
             if any("\n" in cell for cell in row):  # a Markdown table row is one line
-                raise ValueError(f"Table: {'the header' if i == 0 else f'row {i - 1}'} has a line break in a cell: {row}")
+                where = "the header" if i == 0 else f"row {i - 1}"
+                raise ValueError(f"Table: {where} has a line break in a cell: {row}")
         if len(self.align) != len(self.header) or set(self.align) - {"l", "r"}:
             raise ValueError(f"Table: align {self.align!r} needs one of 'l' or 'r' for each of "
                              f"{len(self.header)} columns")
