@@ -44,8 +44,8 @@ class Table:
     wrap inside their column (a right-aligned figure such as "+2.0 (-0.8, +4.7)" only before its bracket),
     so a wide table still fits the site's text column. Its plain-text form, which nbval compares and a
     terminal shows, is the same cells aligned in columns. `align` has one letter a column, `l` or `r`
-    (default: the first column left, the others right). The chapters from 04 on print their tables with it;
-    chapter 13, which compares many runs, most.
+    (default: the first column left, the others right). Chapters 06, 09 to 13 and 15 print their wide tables
+    with it; chapter 13, which compares many runs, most.
     """
 
     def __init__(self, header, rows, align: str | None = None):
