@@ -192,6 +192,25 @@ def test_printed_text_stays_where_it_was_printed(nb_path):
     assert not moved, f"{nb_path.name}: cells {moved} print on both sides of a table or figure"
 
 
+def test_streams_are_stored_joined():
+    """How a cell's prints are cut into stream outputs depends on when the kernel flushed them (the machine's
+    speed); `book.py notebooks` joins each run of one stream, so a re-executed chapter's stored outputs change
+    only where its text did. A display output between two prints keeps them apart."""
+    s = lambda text, name="stdout": {"output_type": "stream", "name": name, "text": text}  # noqa: E731
+    shown = {"output_type": "display_data", "data": {"text/plain": "table"}, "metadata": {}}
+    assert book_tool.merged_streams([s("a\n"), s("b\n"), s("c\n", "stderr"), s("d\n", "stderr")]) == [
+        s("a\nb\n"), s("c\nd\n", "stderr")]
+    assert book_tool.merged_streams([s("a\n"), shown, s("b\n")]) == [s("a\n"), shown, s("b\n")]
+    split = []
+    for nb_path in sorted((ROOT / "notebooks").rglob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb_path.read_text())["cells"]):
+            outs = cell.get("outputs", [])
+            if any(a["output_type"] == b["output_type"] == "stream" and a["name"] == b["name"]
+                   for a, b in zip(outs, outs[1:])):
+                split.append(f"{nb_path.relative_to(ROOT)} cell {i}")
+    assert not split, f"stream outputs stored in pieces (re-run make notebooks): {split}"
+
+
 def test_the_wide_table_rule_sees_a_table_and_not_prose():
     """A row of chapter 13's seed table printed as text, as it was before Table, fails the rule; prose does not."""
     row = ["0", "40 → 22", "65% → 9%", "-0.49 [-0.69, -0.30]", "+0.22 [-0.11, +0.53]", "length_runaway"]
