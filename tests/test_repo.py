@@ -196,11 +196,18 @@ def test_streams_are_stored_joined():
     """How a cell's prints are cut into stream outputs depends on when the kernel flushed them (the machine's
     speed); `book.py notebooks` joins each run of one stream, so a re-executed chapter's stored outputs change
     only where its text did. A display output between two prints keeps them apart."""
-    s = lambda text, name="stdout": {"output_type": "stream", "name": name, "text": text}  # noqa: E731
-    shown = {"output_type": "display_data", "data": {"text/plain": "table"}, "metadata": {}}
-    assert book_tool.merged_streams([s("a\n"), s("b\n"), s("c\n", "stderr"), s("d\n", "stderr")]) == [
+    import nbformat
+
+    def merged(outputs):
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("", outputs=outputs)])
+        book_tool.merged_streams(nb)
+        return [dict(o) for o in nb.cells[0].outputs]
+
+    s = lambda text, name="stdout": nbformat.v4.new_output("stream", name=name, text=text)  # noqa: E731
+    shown = nbformat.v4.new_output("display_data", data={"text/plain": "table"})
+    assert merged([s("a\n"), s("b\n"), s("c\n", "stderr"), s("d\n", "stderr")]) == [
         s("a\nb\n"), s("c\nd\n", "stderr")]
-    assert book_tool.merged_streams([s("a\n"), shown, s("b\n")]) == [s("a\n"), shown, s("b\n")]
+    assert merged([s("a\n"), shown, s("b\n")]) == [s("a\n"), shown, s("b\n")]
     split = []
     for nb_path in sorted((ROOT / "notebooks").rglob("*.ipynb")):
         for i, cell in enumerate(json.loads(nb_path.read_text())["cells"]):

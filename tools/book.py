@@ -184,26 +184,19 @@ def execute(nb, timeout: int = 900, cwd: pathlib.Path = NOTEBOOKS, name: str = "
                             extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(cwd)}}, on_cell_executed=on_cell_executed)
     client.execute()
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs = merged_streams(cell.outputs)
+    merged_streams(nb)
     return time.perf_counter() - start
 
 
-def merged_streams(outputs: list) -> list:
-    """`outputs` with each run of consecutive stream outputs of one name (stdout, stderr) joined into one.
+def merged_streams(nb) -> None:
+    """Join, in each code cell of `nb`, every run of consecutive stream outputs of one name (stdout, stderr).
 
     How a cell's printed lines are cut into stream outputs depends on when the kernel flushed them, which
     depends on the machine's speed; joined, a re-executed chapter's stored outputs change only where what it
-    printed changed (nbval and the site join them the same way)."""
-    out: list = []
-    for o in outputs:
-        if o.get("output_type") == "stream" and out and out[-1].get("output_type") == "stream" \
-                and out[-1].get("name") == o.get("name"):
-            out[-1]["text"] = out[-1]["text"] + o["text"]
-        else:
-            out.append(o)
-    return out
+    printed changed (nbval and the site join them the same way). nbconvert's preprocessor does the joining."""
+    from nbconvert.preprocessors.coalescestreams import CoalesceStreamsPreprocessor
+
+    CoalesceStreamsPreprocessor().preprocess(nb, {})
 
 
 def execute_chapters(out_dir: pathlib.Path, names: list[str] | None = None) -> dict[str, float]:
