@@ -21,7 +21,7 @@ def record(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("gpu_check")
     out = tmp / "record.json"
-    gpu_check.main(["ppo", "sampling", "stages", "pipeline", "--device", "cpu", "--reduced", "--rows", "64",
+    gpu_check.main(["ppo", "ppo_merged", "sampling", "stages", "pipeline", "--device", "cpu", "--reduced", "--rows", "64",
                     "--work", str(tmp / "work"), "--out", str(out)])
     return json.loads(out.read_text())
 
@@ -34,7 +34,7 @@ ROUNDING_CHECKS = {"bf16 merged copy keeps >= 90 % of the policy's move"}
 
 
 def test_every_part_runs_and_passes_its_checks(record):
-    for part in ("ppo", "sampling", "stages", "pipeline"):
+    for part in ("ppo", "ppo_merged", "sampling", "stages", "pipeline"):
         assert "error" not in record[part], record[part].get("traceback")
         checks = {k: v for k, v in record[part]["checks"].items() if k not in ROUNDING_CHECKS}
         assert all(ok in (True, None) for ok in checks.values()), (part, record[part]["checks"])
@@ -51,6 +51,38 @@ def test_the_ppo_part_measures_what_issue_34_asks(record):
     assert ppo["policy_lora_grad_zero_share"][0]["lora_A"] == 1.0
     assert ppo["policy_lora_grad_zero_share"][-1]["lora_A"] < 1.0
     assert ppo["planned"]["peak_gib"] > 0
+
+
+def test_the_merged_part_plans_and_runs_the_dense_copy(record):
+    merged, plain = record["ppo_merged"], record["ppo"]
+    assert merged["merged_rollout"] is True and plain["merged_rollout"] is False
+    # the plan counts the dense copy: the whole model once more in the compute dtype
+    assert merged["planned"]["parts_gib"]["weights"] > plain["planned"]["parts_gib"]["weights"]
+    assert merged["first_minibatch"]["policy/ratio_mean"] == 1.0
+    # on CPU there is no device memory to read: recorded as unknown, not as 0
+    assert merged["phase_memory"] == {} and merged["memory_peak"]["outside_allocator_gib"] is None
+
+
+def test_a_part_leaves_no_model_alive_for_the_next(tmp_path, monkeypatch):
+    """Reference cycles (hooks, the step-counting closure) kept a finished part's trainer allocated until some
+    later collection: on the H100, ppo after ppo_merged started with 17.1 GiB left over. main() collects between
+    parts, so the next part's trainer is built with no backend alive."""
+    import gc
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+
+    alive, real = [], gpu_check.new_trainer
+
+    def counting(config):
+        alive.append(sum(isinstance(o, MultiAdapterBackend) for o in gc.get_objects()))
+        return real(config)
+
+    monkeypatch.setattr(gpu_check, "new_trainer", counting)
+    gpu_check.main(["ppo_merged", "ppo", "--device", "cpu", "--reduced", "--rows", "64", "--steps", "1",
+                    "--work", str(tmp_path / "w"), "--out", str(tmp_path / "r.json")])
+    assert alive == [0, 0]
 
 
 def test_the_sampling_part_sees_bf16_rounding_of_the_lora_update(record):
@@ -81,6 +113,15 @@ def test_the_committed_gpu_record_is_whole():
     assert gpu["sampling"]["old_vs_update_gap"] == 0.0  # the rollout's rows equal the update's
     assert all(c for part in ("ppo", "stages", "pipeline") for c in gpu[part]["checks"].values())
     assert {"evaluate", "export_merge"} <= set(gpu["stages"]["stages"])  # both ran on the GPU
+    # third session: merged_rollout's steps, the device as the driver sees it, and the allocator's slack
+    for part in ("ppo_merged", "ppo_merged_expandable", "ppo_expandable", "stages_sft_rm"):
+        assert "error" not in gpu[part] and all(gpu[part]["checks"].values()), part
+        assert gpu[part]["machine"]["gpu"].startswith("NVIDIA")
+    assert gpu["ppo_expandable"]["memory_after_load"]["allocated_gib"] < 4.5  # nothing left by the part before
+    assert gpu["ppo_merged_expandable"]["memory_peak"]["max_reserved_gib"] < gpu["ppo_merged"]["memory_peak"][
+        "max_reserved_gib"] / 1.5
+    assert {s: gpu["stages_sft_rm"]["stages"][s]["saved_trainable_dtypes"] for s in ("sft", "rm")} == {
+        "sft": ["F32"], "rm": ["F32"]}  # item 5 on the GPU: adapters (and the score head) trained and saved in fp32
 
 
 def test_a_record_from_another_machine_is_not_merged(tmp_path):

@@ -92,12 +92,75 @@ def reset_peak(device):
 
 
 def memory(device) -> dict:
+    """PyTorch's allocator now and at its peak, and the device as the driver sees it: `device_used_gib` (total −
+    free, every process) and `outside_allocator_gib`, what this process holds outside PyTorch's cache (the CUDA
+    context, library handles and workspaces that do not come from the cache), used minus reserved now."""
     import torch
 
     if not cuda(device):
-        return {"allocated_gib": None, "max_allocated_gib": None, "max_reserved_gib": None}
+        return {"allocated_gib": None, "max_allocated_gib": None, "max_reserved_gib": None, "device_used_gib": None,
+                "outside_allocator_gib": None}
+    free_bytes, total = torch.cuda.mem_get_info()
+    used = total - free_bytes
     return {"allocated_gib": gib(torch.cuda.memory_allocated()), "max_allocated_gib": gib(torch.cuda.max_memory_allocated()),
-            "max_reserved_gib": gib(torch.cuda.max_memory_reserved())}
+            "max_reserved_gib": gib(torch.cuda.max_memory_reserved()), "device_used_gib": gib(used),
+            "outside_allocator_gib": gib(used - torch.cuda.memory_reserved())}
+
+
+class PhasePeaks:
+    """Wraps a trainer's `PhaseTimer`: for each phase (generate, score, policy, reference, update) the GPU memory
+    allocated when it starts and the peak inside it, the largest over the steps; the peak outside phases is kept
+    too, so `overall()` is the run's peak although each phase resets PyTorch's counters. No-op off CUDA."""
+
+    def __init__(self, timer, device):
+        self.timer, self.on = timer, cuda(device)
+        self.phases: dict = {}
+        self.allocated_peak = self.reserved_peak = 0
+
+    def __getattr__(self, name):  # seconds, sync: the timer's own
+        return getattr(self.timer, name)
+
+    def _fold(self):
+        import torch
+
+        self.allocated_peak = max(self.allocated_peak, torch.cuda.max_memory_allocated())
+        self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved())
+
+    def __call__(self, phase):
+        import contextlib
+
+        import torch
+
+        @contextlib.contextmanager
+        def timed():
+            if not self.on:
+                with self.timer(phase):
+                    yield
+                return
+            torch.cuda.synchronize()
+            self._fold()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            with self.timer(phase):
+                yield
+            torch.cuda.synchronize()
+            peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+            self._fold()
+            row = self.phases.setdefault(phase, {"allocated_at_start_gib": 0.0, "max_allocated_gib": 0.0,
+                                                 "above_start_gib": 0.0, "max_reserved_gib": 0.0})
+            for key, value in (("allocated_at_start_gib", start), ("max_allocated_gib", peak),
+                               ("above_start_gib", peak - start), ("max_reserved_gib", reserved)):
+                row[key] = max(row[key], gib(value))
+        return timed()
+
+    def overall(self) -> dict:
+        if not self.on:
+            return {}
+        import torch
+
+        torch.cuda.synchronize()
+        self._fold()
+        return {"max_allocated_gib": gib(self.allocated_peak), "max_reserved_gib": gib(self.reserved_peak)}
 
 
 # ---- the model, the reward adapter and the data -----------------------------------------------------------------
@@ -198,19 +261,22 @@ def new_trainer(config):
 
 # ---- (a) three MA-PPO steps ------------------------------------------------------------------------------------
 
-def part_ppo(args, built) -> dict:
+def part_ppo(args, built, merged_rollout: bool = False) -> dict:
     import torch
 
     from marlhf_edu.memory.check import plan_for
 
     shape = shape_for(args)
-    config = ppo_config(args, built, "ppo", ["--total_steps", str(args.steps)])
+    name = "ppo_merged" if merged_rollout else "ppo"
+    config = ppo_config(args, built, name, ["--total_steps", str(args.steps), "--merged_rollout",
+                                            str(merged_rollout).lower()])
     reset_peak(args.device)
     start = time.perf_counter()
     trainer = new_trainer(config)
     sync(args.device)
     load_s = time.perf_counter() - start
     loaded = memory(args.device)
+    trainer.timer = PhasePeaks(trainer.timer, args.device)
     base = trainer.backend.model.get_base_model()
     seen = {}
 
@@ -242,15 +308,16 @@ def part_ppo(args, built) -> dict:
         if first is None:
             first = dict(trainer.minibatch_stats[0])
     hook.remove()
-    peak = memory(args.device)
+    peak = {**memory(args.device), **trainer.timer.overall()}
     plan = plan_for(trainer, shape, built["reward"])
     dtypes = {"checkpoint": built.get("checkpoint_dtype"), "embed_tokens": str(base.model.embed_tokens.weight.dtype),
               "final_norm": str(base.model.norm.weight.dtype), "lm_head": str(base.lm_head.weight.dtype),
               "decoder_layer_output": seen.get("layer_output"),
               "trainable": sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})}
     phases = {k: [round(r[k], 2) for r in records] for k in records[0] if k.startswith("time/")}
-    out = {"config": "configs/llama2_7b/ma_ppo.yaml", "steps": config.total_steps, "load_s": round(load_s, 1),
-           "memory_after_load": loaded, "memory_peak": peak,
+    out = {"config": "configs/llama2_7b/ma_ppo.yaml", "merged_rollout": merged_rollout, "steps": config.total_steps,
+           "load_s": round(load_s, 1), "memory_after_load": loaded, "memory_peak": peak,
+           "phase_memory": trainer.timer.phases,
            "planned": {"model_state_gib": gib(plan.model_state), "peak_gib": gib(plan.peak),
                        "parts_gib": {k: gib(v) for k, v in plan.parts.items()}},
            "dtypes": dtypes, "first_minibatch": {k: first[k] for k in first if k.startswith("policy/")},
@@ -267,8 +334,8 @@ def part_ppo(args, built) -> dict:
         checks[f"peak allocated within {PEAK_TOLERANCE:.0%} of plan"] = (
             abs(peak["max_allocated_gib"] - out["planned"]["peak_gib"]) <= PEAK_TOLERANCE * out["planned"]["peak_gib"])
     out["checks"] = checks
-    del trainer
-    free(args.device)
+    trainer.optimizer.step = real_step  # counting_step's closure and the backend's hooks make reference cycles:
+    del trainer, base, named, kinds, counting_step  # main() collects them before the next part measures anything
     return out
 
 
@@ -429,9 +496,11 @@ from marlhf_edu.cli import main
 t = time.perf_counter()
 code = main({argv!r})
 cuda = torch.cuda.is_available()
+used = (lambda f, t: t - f)(*torch.cuda.mem_get_info()) if cuda else None
 print("GPU_CHECK " + json.dumps({{"code": code, "seconds": round(time.perf_counter() - t, 1),
       "max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
       "max_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3) if cuda else None,
+      "outside_allocator_at_end_gib": round((used - torch.cuda.memory_reserved()) / 2**30, 3) if cuda else None,
       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}}))
 """
 
@@ -455,6 +524,15 @@ def run_child(code: str, env: dict, log: pathlib.Path) -> dict:
         raise RuntimeError(f"a child failed (exit {done.returncode}, code {got.get('code')}); its log: {log}\n"
                            f"{done.stdout[-1500:]}\n{done.stderr[-3000:]}")
     return got
+
+
+def saved_dtypes(folder: pathlib.Path) -> list[str]:
+    """The dtypes of the tensors in a saved adapter (adapter_model.safetensors: LoRA matrices and heads)."""
+    from safetensors import safe_open
+
+    with safe_open(str(pathlib.Path(folder) / "adapter_model.safetensors"), "pt") as f:
+        return sorted({str(f.get_slice(k).get_dtype()) if hasattr(f.get_slice(k), "get_dtype") else str(f.get_tensor(k).dtype)
+                       for k in f.keys()})
 
 
 def disk_gib(path: pathlib.Path) -> float:
@@ -505,6 +583,8 @@ def part_stages(args, built) -> dict:
                               str(work / "merged_policy"), "--overwrite", "true", "--device", args.device,
                               "--dtype", "float32"]}
     for stage in ("sft", "merge", "rm", "ma-ppo", *after):
+        if args.stages and stage not in args.stages:
+            continue
         print(f"gpu_check stages: {stage}", flush=True)
         try:
             if stage == "merge":  # the SFT adapter merged into its base once, as rm and ma-ppo then read it
@@ -524,6 +604,8 @@ def part_stages(args, built) -> dict:
             if check:
                 got.update(agreement=float(check[1]) / 100, max_logprob_gap=float(check[2]))
             shutil.rmtree(work / "merged_policy", ignore_errors=True)
+        if stage in ("sft", "rm") and got.get("code") == 0:  # item 5: the adapters trained (and saved) in fp32
+            got["saved_trainable_dtypes"] = saved_dtypes(out / stage)
         result["stages"][stage] = got
     result["disk_gib"] = {"run": disk_gib(out), "merge_cache": disk_gib(cache), "model": disk_gib(built["model"])}
     result["checks"] = {"every stage finished": all(s.get("code", 0) in (0, None) for s in result["stages"].values())}
@@ -572,7 +654,13 @@ def part_pipeline(args, built) -> dict:
 
 # ---- driver -----------------------------------------------------------------------------------------------------
 
-PARTS = {"ppo": part_ppo, "sampling": part_sampling, "stages": part_stages, "pipeline": part_pipeline}
+def part_ppo_merged(args, built) -> dict:
+    """(a) with `merged_rollout: true`: the same steps sampled from a dense bf16 copy of the policy."""
+    return part_ppo(args, built, merged_rollout=True)
+
+
+PARTS = {"ppo": part_ppo, "ppo_merged": part_ppo_merged, "sampling": part_sampling, "stages": part_stages,
+         "pipeline": part_pipeline}
 
 
 def machine(device) -> dict:
@@ -600,6 +688,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--eval_pairs", type=int, default=64)
     parser.add_argument("--reduced", action="store_true", help="a tiny model of the same family (the CPU test)")
+    parser.add_argument("--stages", nargs="+", default=None, metavar="STAGE",
+                        help="the stages part runs only these (sft merge rm ma-ppo evaluate export_merge)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not cuda(args.device):
         raise SystemExit("gpu_check: no CUDA device here; pass --device cpu --reduced to check the tool itself")
@@ -624,6 +714,9 @@ def main(argv=None) -> dict:
 
             section = {"error": f"{e.__class__.__name__}: {e}", "traceback": traceback.format_exc()[-4000:],
                        "checks": {"ran": False}}
+        # the part's models are garbage now, but reference cycles (hooks, closures) keep them allocated until a
+        # collection: without this, ppo after ppo_merged started with the merged run's 17 GiB still allocated (H100)
+        free(args.device)
         section["wall_s"] = round(time.perf_counter() - start, 1)
         section["command"] = "python tools/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
         section["date"] = time.strftime("%Y-%m-%d")
