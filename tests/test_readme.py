@@ -61,4 +61,6 @@ def test_its_gpu_commands_parse():
     from marlhf_edu.memory.preflight import main as preflight
 
     result = preflight(lines[2][2:])
-    assert result["plan"] and (ROOT / lines[3][3]).exists() and lines[3][:2] == ["marlhf-edu", "pipeline"]
+    # the pipeline runs with the allocator setting preflight's cache slack assumes
+    assert lines[3][0] == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert result["plan"] and (ROOT / lines[3][4]).exists() and lines[3][1:3] == ["marlhf-edu", "pipeline"]

@@ -151,7 +151,7 @@ def test_every_figure_has_a_caption_and_a_name(nb_path):
 # a tensor printed over two lines (ch09), aligned prose and answer listings (ch10, ch11, ch12, ch15). The
 # numbers may only go down.
 WIDE_TEXT_TABLES = {"09_four_model_loop": 1, "10_multi_adapter": 2, "11_overoptimisation_and_evaluation": 1,
-                    "12_dpo_and_grpo": 2, "14_scaling_out": 1, "15_launching_7b": 1}
+                    "12_dpo_and_grpo": 2, "15_launching_7b": 1}
 
 
 def wide_text_table_cells(nb: dict, width: int = 76) -> list[int]:

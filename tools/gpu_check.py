@@ -1,10 +1,11 @@
 """The check to run on a new GPU before spending hours on the 7B recipe (issue 34). Not part of `make test`.
 
     python tools/gpu_check.py ppo          # (a) 3 MA-PPO steps of configs/llama2_7b/ma_ppo.yaml at full shape
+    python tools/gpu_check.py ppo_merged   # (a) the same with merged_rollout: true
     python tools/gpu_check.py sampling     # (b) the merged sampler against the training path; speed; micro-batch
     python tools/gpu_check.py stages       # (c) SFT, the merge, RM, MA-PPO at full shape, each in its own process
     python tools/gpu_check.py pipeline     # (d) the same stages in one process, as `marlhf-edu pipeline` runs them
-    python tools/gpu_check.py ppo sampling stages pipeline --out my_gpu.json
+    python tools/gpu_check.py ppo ppo_merged sampling stages pipeline --out my_gpu.json
 
 Offline: the model is a random Llama with Llama-2-7B's full shape (32 layers, 4096 wide, 32,000 tokens), saved
 in float16 as the real checkpoint is, with a random reward adapter of the recipe's shape (LoRA r = 32 on q/k/v/o
@@ -15,9 +16,13 @@ sensitive (near-uniform outputs, 32 random layers). Each part takes under 10 min
 built once per --work folder) and adds its section to `--out` (default benchmarks/gpu_check.json, the book's
 record; a record from another machine is started afresh, not merged), each measurement next to its pass line:
 
-(a) `ppo`: peak allocated memory within 15 % of the planner's peak; the residual stream (embeddings, norms, LM
-    head, a decoder layer's output) in bf16; the first minibatch's ratio within 1e-2 of 1 and its approxkl; the
-    share of policy LoRA gradient entries that are exactly zero; seconds per phase; sampled tokens/s.
+(a) `ppo` (and `ppo_merged`, sampling from a dense merged copy): peak allocated memory within 15 % of the
+    planner's peak; what the device has in use as the driver sees it and how much of it is outside PyTorch's
+    allocator (CUDA context, library handles); each phase's working set (generate, score, policy, reference,
+    update: allocated at its start and its peak); the residual stream (embeddings, norms, LM head, a decoder
+    layer's output) in bf16; the first minibatch's ratio within 1e-2 of 1 and its approxkl; the share of policy
+    LoRA gradient entries that are exactly zero; seconds per phase; sampled tokens/s. Run under
+    `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to measure what the launch lines run.
 (b) `sampling`: after a LoRA perturbation (RMS of s·B·A = 1e-4 per weight), the log-prob gap
     |log π_sampler − log π_train| per response token and the KL per response for a bf16 and an fp32 merged copy,
     each computed in the same rows per forward as the rollout's old log-probs, the update's error in each copy's
@@ -26,7 +31,9 @@ record; a record from another machine is started afresh, not merged), each measu
     update's; merged vs adapter tokens/s; one update at micro-batch 1 and 4 (seconds, peak).
 (c) `stages`: each stage in its own process through `marlhf-edu pipeline --stages NAME` (the SFT adapter merged
     once in its own process first), then `marlhf-edu evaluate` and `marlhf-edu merge` on the trained policy:
-    per-stage peak GPU memory, seconds, peak host RAM, the merge's seconds, RAM and disk, and the run's disk.
+    per-stage peak GPU memory, what each process holds outside the allocator, seconds, peak host RAM, the
+    dtypes of the SFT and RM adapters as saved, the merge's seconds, RAM and disk, and the run's disk
+    (`--stages` runs some of them).
 (d) `pipeline`: the same stages in one process: GPU memory still allocated when each stage starts.
 
 `--reduced` runs the same code on a tiny model of the same family (2 layers, width 128) so that the test suite
@@ -491,15 +498,28 @@ def part_sampling(args, built) -> dict:
 
 STAGE_RUNNER = """
 import json, resource, sys, time, torch
+import transformers
 sys.path.insert(0, {root!r})
 from marlhf_edu.cli import main
+cuda = torch.cuda.is_available()
+phases = {{}}
+real_train = transformers.Trainer.train
+def train(self, *a, **k):  # a trl stage's peak before training (loading) apart from its training's
+    if cuda:
+        torch.cuda.synchronize(); phases["before_train_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        torch.cuda.reset_peak_memory_stats(); phases["train_start_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
+    out = real_train(self, *a, **k)
+    if cuda:
+        torch.cuda.synchronize(); phases["train_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    return out
+transformers.Trainer.train = train
 t = time.perf_counter()
 code = main({argv!r})
-cuda = torch.cuda.is_available()
 used = (lambda f, t: t - f)(*torch.cuda.mem_get_info()) if cuda else None
 print("GPU_CHECK " + json.dumps({{"code": code, "seconds": round(time.perf_counter() - t, 1),
-      "max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+      "max_allocated_gib": max([round(torch.cuda.max_memory_allocated() / 2**30, 3), *phases.values()]) if cuda else None,
       "max_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3) if cuda else None,
+      "allocated_phases": phases or None,
       "outside_allocator_at_end_gib": round((used - torch.cuda.memory_reserved()) / 2**30, 3) if cuda else None,
       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}}))
 """
@@ -719,6 +739,7 @@ def main(argv=None) -> dict:
         free(args.device)
         section["wall_s"] = round(time.perf_counter() - start, 1)
         section["command"] = "python tools/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        section["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")  # the slack depends on it
         section["date"] = time.strftime("%Y-%m-%d")
         record[part] = section
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""`marlhf-edu preflight --config FILE`: check a PPO launch before it spends GPU hours. Runs in seconds on a CPU.
+r"""`marlhf-edu preflight --config FILE`: check a PPO launch before it spends GPU hours. Runs in seconds on a CPU::
 
     marlhf-edu preflight --config configs/llama2_7b/ma_ppo.yaml --model_shape llama-2-7b \
         --weight_dtype bfloat16 --reward_lora_r 32 --reward_target_modules q_proj k_proj v_proj o_proj \
@@ -9,11 +9,16 @@
    checkpoint the run loads (`sft_model_path`) can be read here, checks its own `config.json` against that
    shape and its tokenizer (a pad token distinct from EOS, every token id within the embedding);
 2. plans the memory of one GPU for the config's engine (`ma-ppo` or four-model `ppo`, from `--command`): weights,
-   adapters, gradients, optimizer, KV cache, logits and activations, with each rank's share of the batch;
-3. compares the planned peak with the GPU's memory (`--gpu_memory_gib`, else the smallest visible GPU) and
-   fails, naming what to change, when it does not fit with `--headroom` to spare;
-4. prints the launch command and a time estimate with its basis: tokens per step, and a measured or stated
-   throughput (`--tokens_per_s`); without one it says which measurement to make.
+   adapters, gradients, optimizer, KV cache, logits and activations (chapter 10's tensor plan), with each rank's
+   share of the batch; then what the GPU needs per stage (`memory.device`): the largest phase's working set
+   (sampling, log-probs, scoring, update, with bitsandbytes' dequantized weight), the allocator's cache slack and
+   what a process holds outside the allocator, for the PPO stage with and without `merged_rollout` and, given
+   `--pipeline`, for its SFT and reward-model stages too; and the disk the run needs;
+3. compares the largest stage's need with the GPU's memory (`--gpu_memory_gib`, else the smallest visible GPU) and
+   fails, naming the stage and what to change, when it does not fit with `--headroom` to spare;
+4. prints the launch command (with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, which the cache slack
+   assumes) and a time estimate with its basis: tokens per step, and a measured or stated throughput
+   (`--tokens_per_s`); without one it says which measurement to make.
 
 With `--num_gpus` > 1 the plan is per rank (each holds its own base and samples batch_size / N rollouts) and the
 launch is `accelerate launch` of data-parallel PPO (chapter 15); the config's global batch shapes must split over
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.memory.command import MemoryArguments
+from marlhf_edu.memory.device import TrlStage, need_table, plan_rm_stage, plan_sft_stage, ppo_need, run_disk
 
 
 @dataclass
@@ -35,8 +41,10 @@ class PreflightArguments(MemoryArguments):
     command: str = field(default="ma-ppo", metadata={"help": "'ma-ppo' or 'ppo' (four models)"})
     num_gpus: int = field(default=1, metadata={"help": "data-parallel ranks; each holds its own base"})
     gpu_memory_gib: float = field(default=0.0, metadata={"help": "memory of one GPU; 0 = the smallest visible GPU"})
-    headroom: float = field(default=0.1, metadata={"help": "fraction of the GPU kept free (CUDA context, "
-                                                           "allocator fragmentation)"})
+    headroom: float = field(default=0.05, metadata={"help": "fraction of the GPU kept free beyond the planned "
+                                                            "overheads (cache slack, CUDA context)"})
+    pipeline: str = field(default="", metadata={"help": "a pipeline file (configs/llama2_7b/pipeline.yaml): plan "
+                                                        "its SFT and reward-model stages and the run's disk too"})
     tokens_per_s: float = field(default=0.0, metadata={"help": "measured or stated throughput of one GPU, in "
                                                                 "prompt + response tokens per second of a whole step"})
 
@@ -154,22 +162,42 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
                           "as is:\n  " + "\n  ".join(problems))
     per_rank = config.batch_size // args.num_gpus
     s = replace(s, forward_batch_size=min(s.forward_batch_size, per_rank))
-    plan = plan_multi_adapter(shape, multi_adapter_settings(s)) if args.command == "ma-ppo" else plan_four_model(shape, s)
+
+    def plan_with(merged: bool):
+        settings = replace(s, merged_rollout=merged)
+        return (plan_multi_adapter(shape, multi_adapter_settings(settings)) if args.command == "ma-ppo"
+                else plan_four_model(shape, settings))
+
+    plan = plan_with(s.merged_rollout)
+    trl_stages = pipeline_trl_stages(args.pipeline) if args.pipeline else {}
+    needs = [plan_sft_stage(shape, trl_stages["sft"])] if "sft" in trl_stages else []
+    needs += [plan_rm_stage(shape, trl_stages["rm"])] if "rm" in trl_stages else []
+    ppo_needs = {merged: ppo_need(plan_with(merged)) for merged in (False, True)}
+    needs += [ppo_needs[False], ppo_needs[True]]
+    run_needs = [n for n in needs if n.stage in ("sft", "rm")] + [ppo_needs[s.merged_rollout]]
+    largest = max(run_needs, key=lambda n: n.device)
     gpu, source = gpu_memory_bytes(args)
     usable = gpu * (1 - args.headroom)
-    fits = plan.peak <= usable
+    fits = largest.device <= usable
+    disk = run_disk(shape, sft=trl_stages.get("sft"), rm=trl_stages.get("rm"), ppo_trainable=plan.parts["gradients"])
 
     print(f"model: {shape.name}, {shape.n_params:,} parameters (meta-device build agrees), {shape.num_layers} layers")
     print(f"checkpoint: {checked}")
     print(f"engine: {plan.architecture}, {args.num_gpus} GPU(s), {per_rank} rollouts per rank per step, "
           f"{s.prompt_length} + {s.response_length} tokens, micro-batch {s.micro_batch_size}"
           + (", gradient checkpointing" if s.gradient_checkpointing else ""))
-    print("planned per GPU:")
+    print("tensors per GPU (chapter 10's plan):")
     for part, nbytes in plan.parts.items():
         print(f"  {part:12s} {_fmt(nbytes):>12s}")
-    print(f"  {'= peak':12s} {_fmt(plan.peak):>12s}   (model state + the larger of sampling and one update micro-batch)")
-    print(f"GPU: {_fmt(gpu)} ({source}); usable with {args.headroom:.0%} headroom: {_fmt(usable)} -> "
-          + ("fits" if fits else "DOES NOT FIT"))
+    print(f"  {'= peak':12s} {_fmt(plan.peak):>12s}   (state + the larger of sampling and an update)")
+    print("needed per GPU, stage by stage (the run's own stages marked *):")
+    print(need_table(needs, marked=run_needs))
+    print(f"disk: {_fmt(disk['total'])}" + ("" if args.pipeline else " (give --pipeline to count SFT and RM)"))
+    for what, nbytes in disk.items():
+        if what != "total":
+            print(f"  {what:36s} {_fmt(nbytes):>10s}")
+    print(f"GPU: {_fmt(gpu)} ({source}); usable with {args.headroom:.0%} headroom: {_fmt(usable)}")
+    print(f"  the largest need, {largest.stage}'s: {_fmt(largest.device)} -> " + ("fits" if fits else "DOES NOT FIT"))
     tokens = config.batch_size * (s.prompt_length + s.response_length)
     print(f"tokens per step: {tokens:,} ({config.batch_size} x ({s.prompt_length} + {s.response_length})), "
           f"{config.total_steps} steps")
@@ -181,18 +209,54 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
         print("time: no throughput given. Measure one on the GPU (python tools/bench_step.py --command "
               f"{args.command} --config ... --steps 5) and pass --tokens_per_s")
     if not fits:
-        largest = sorted(plan.parts.items(), key=lambda kv: -kv[1])[:3]
-        raise ConfigError(f"planned peak {_fmt(plan.peak)} exceeds {_fmt(usable)} usable on one GPU; the largest parts: "
-                          + ", ".join(f"{k} {_fmt(v)}" for k, v in largest) + ". Lower micro_batch_size or "
-                          "forward_batch_size, " + ("" if s.gradient_checkpointing else "turn on gradient_checkpointing, ")
-                          + "shorten max_new_tokens, or use a GPU with more memory")
+        raise ConfigError(f"stage {largest.stage} needs {_fmt(largest.device)}, over the {_fmt(usable)} usable on one "
+                          f"GPU; its peak is in {largest.peak_phase}: {what_lowers(largest, s)}, or use a GPU with "
+                          "more memory")
     extra = "".join(" " + o for o in overrides)  # the settings given here beside the config: the run planned
     if args.num_gpus == 1:
-        print(f"launch: marlhf-edu {args.command} --config {config_path}{extra}")
+        print(f"launch: {ALLOCATOR_ENV} marlhf-edu {args.command} --config {config_path}{extra}")
     else:
-        print(f"launch: accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml --num_processes "
-              f"{args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}{extra}")
-    return {"plan": plan, "gpu_bytes": gpu, "fits": fits, "tokens_per_step": tokens, "meta_params": n_meta}
+        print(f"launch: {ALLOCATOR_ENV} accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml "
+              f"--num_processes {args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}{extra}")
+    return {"plan": plan, "needs": needs, "largest": largest, "disk": disk, "gpu_bytes": gpu, "fits": fits,
+            "tokens_per_step": tokens, "meta_params": n_meta}
+
+
+def what_lowers(need, s) -> str:
+    """The settings that lower a stage's need, for the phase that sets its peak and as the run is configured."""
+    if need.stage in ("sft", "rm"):
+        if need.peak_phase == "eval":
+            return "lower the reward stage's per_device_eval_batch_size or max_length"
+        return f"lower the {need.stage} stage's per_device_train_batch_size or max_length"
+    update = ([] if s.micro_batch_size == 1 else ["lower micro_batch_size"]) + (
+        [] if s.gradient_checkpointing else ["turn on gradient_checkpointing"]) + [
+        "shorten max_new_tokens (the sequences it trains on)"]
+    advice = {"sampling": "lower forward_batch_size or max_new_tokens (the KV cache)",
+              "log-probs": "lower forward_batch_size or max_new_tokens (the logits of a forward)",
+              "scoring": "lower forward_batch_size",
+              "update": ", ".join(update)}[need.peak_phase]
+    merged = "turn merged_rollout off (its dense copy of the model stays allocated), " if s.merged_rollout else ""
+    return merged + advice
+
+
+#: what the planned cache slack assumes (without it, a merged-rollout run on an H100 reserved 2.07x its peak)
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def pipeline_trl_stages(path: str) -> dict:
+    """`{"sft": TrlStage, "rm": TrlStage}` of a pipeline file's SFT and reward-model stages, as the pipeline would
+    parse them (the file's overrides in; bf16 switched off only for parsing, since transformers refuses it where no
+    GPU is visible, which changes nothing planned: the model's dtype comes from its `dtype`)."""
+    from marlhf_edu.stages.pipeline import load_pipeline
+
+    stages, _ = load_pipeline(path, [])
+    out = {}
+    for stage in stages:
+        if stage.name in ("sft", "rm"):
+            stage.argv += ["--bf16", "false", "--use_cpu", "true"]
+            parsed = stage.parse()
+            out[stage.name] = TrlStage.from_parsed(parsed[1], parsed[2])
+    return out
 
 
 def main(argv: list[str] | None = None):
