@@ -502,11 +502,13 @@ import transformers
 sys.path.insert(0, {root!r})
 from marlhf_edu.cli import main
 cuda = torch.cuda.is_available()
-phases = {{}}
+phases, peaks = {{}}, {{"allocated": [], "reserved": []}}
+def fold():  # the peaks so far, kept across a reset of PyTorch's counters
+    peaks["allocated"].append(torch.cuda.max_memory_allocated()); peaks["reserved"].append(torch.cuda.max_memory_reserved())
 real_train = transformers.Trainer.train
 def train(self, *a, **k):  # a trl stage's peak before training (loading) apart from its training's
     if cuda:
-        torch.cuda.synchronize(); phases["before_train_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        torch.cuda.synchronize(); fold(); phases["before_train_gib"] = round(peaks["allocated"][-1] / 2**30, 3)
         torch.cuda.reset_peak_memory_stats(); phases["train_start_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
     out = real_train(self, *a, **k)
     if cuda:
@@ -515,10 +517,12 @@ def train(self, *a, **k):  # a trl stage's peak before training (loading) apart 
 transformers.Trainer.train = train
 t = time.perf_counter()
 code = main({argv!r})
+if cuda:
+    fold()
 used = (lambda f, t: t - f)(*torch.cuda.mem_get_info()) if cuda else None
 print("GPU_CHECK " + json.dumps({{"code": code, "seconds": round(time.perf_counter() - t, 1),
-      "max_allocated_gib": max([round(torch.cuda.max_memory_allocated() / 2**30, 3), *phases.values()]) if cuda else None,
-      "max_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3) if cuda else None,
+      "max_allocated_gib": round(max(peaks["allocated"]) / 2**30, 3) if cuda else None,
+      "max_reserved_gib": round(max(peaks["reserved"]) / 2**30, 3) if cuda else None,
       "allocated_phases": phases or None,
       "outside_allocator_at_end_gib": round((used - torch.cuda.memory_reserved()) / 2**30, 3) if cuda else None,
       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}}))
@@ -551,8 +555,7 @@ def saved_dtypes(folder: pathlib.Path) -> list[str]:
     from safetensors import safe_open
 
     with safe_open(str(pathlib.Path(folder) / "adapter_model.safetensors"), "pt") as f:
-        return sorted({str(f.get_slice(k).get_dtype()) if hasattr(f.get_slice(k), "get_dtype") else str(f.get_tensor(k).dtype)
-                       for k in f.keys()})
+        return sorted({f.get_slice(k).get_dtype() for k in f.keys()})
 
 
 def disk_gib(path: pathlib.Path) -> float:

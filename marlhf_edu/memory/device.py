@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marlhf_edu.memory.plan import (ALL_LINEAR, DTYPE_BYTES, MemoryPlan, MemorySettings, ModelShape, _fmt,
-                                    base_weight_bytes, kv_cache_bytes, layer_activation_values, lora_params,
+                                    base_weight_bytes, layer_activation_values, lora_params,
                                     optimizer_bytes)
 
 GIB = 2**30

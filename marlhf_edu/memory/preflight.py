@@ -168,11 +168,12 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
         return (plan_multi_adapter(shape, multi_adapter_settings(settings)) if args.command == "ma-ppo"
                 else plan_four_model(shape, settings))
 
-    plan = plan_with(s.merged_rollout)
+    plans = {merged: plan_with(merged) for merged in (False, True)}
+    plan = plans[s.merged_rollout]
     trl_stages = pipeline_trl_stages(args.pipeline) if args.pipeline else {}
     needs = [plan_sft_stage(shape, trl_stages["sft"])] if "sft" in trl_stages else []
     needs += [plan_rm_stage(shape, trl_stages["rm"])] if "rm" in trl_stages else []
-    ppo_needs = {merged: ppo_need(plan_with(merged)) for merged in (False, True)}
+    ppo_needs = {merged: ppo_need(p) for merged, p in plans.items()}
     needs += [ppo_needs[False], ppo_needs[True]]
     run_needs = [n for n in needs if n.stage in ("sft", "rm")] + [ppo_needs[s.merged_rollout]]
     largest = max(run_needs, key=lambda n: n.device)
