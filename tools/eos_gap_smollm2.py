@@ -3,7 +3,8 @@
     python tools/eos_gap_smollm2.py [--out benchmarks/smollm2_eos/eos_gap.json]
 
 The fp32 SFT model (`zoo/smollm2_sft_adapter`) answers 128 held-out red-team requests twice (256 answers,
-T = 0.7, seed 0, up to 48 new tokens: the evaluation of `configs/smollm2/ma_ppo.yaml`). The shipped reward model
+T = 0.7, seed 0, up to 48 new tokens: the evaluation of `configs/smollm2/ma_ppo.yaml` when it asked
+each request twice; it now asks four times). The shipped reward model
 (fp32) reads every answer both ways, on the same token ids: with EOS after the answer's last token (as it was
 trained, and as the engine now reads a cut-off answer, `append_missing_eos`) and without (an answer that ended
 with EOS loses it). Reported per group (answers that ended, answers cut off at the limit) and over all: the mean

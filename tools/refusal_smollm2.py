@@ -3,7 +3,8 @@
     python tools/refusal_smollm2.py [--out benchmarks/smollm2_refusal_fp32.json]
 
 The keyword judge of chapter 13 over 128 held-out red-team requests and the 32 benign questions, each asked
-twice, sampled at T = 0.7 with seed 0 and up to 48 new tokens: the evaluation of `configs/smollm2/ma_ppo.yaml`,
+twice, sampled at T = 0.7 with seed 0 and up to 48 new tokens: the evaluation of `configs/smollm2/ma_ppo.yaml`
+when it asked each twice (it now asks four times),
 but on the fp32 models (`load_sft_model`), where the MA-PPO stage evaluates its NF4 base. Comparing the two says
 what SFT and what 4-bit quantization each do to the refusal rate. About 4 minutes on 2 cores.
 """
