@@ -252,8 +252,8 @@ def plan_rm_stage(shape: ModelShape, t: TrlStage, assumptions: DeviceAssumptions
 
 
 def trl_output_bytes(trainable: int, checkpoints: int) -> int:
-    """A trl LoRA stage's output folder holding `checkpoints` checkpoints: the final adapter, and in each
-    checkpoint the adapter and AdamW's two moments (3 x the trainable bytes)."""
+    """A LoRA stage's output folder (trl's, or the PPO engine's) holding `checkpoints` checkpoints: the final
+    adapter, and in each checkpoint the adapter and AdamW's two moments (3 x the trainable bytes)."""
     return trainable + checkpoints * 3 * trainable
 
 
@@ -279,7 +279,7 @@ def run_disk(shape: ModelShape, checkpoint_dtype: str = "float16", sft: TrlStage
         disk["rm output"] = trl_output_bytes(trl_trainable_bytes(shape, rm, shape.hidden_size * 4),
                                              held_checkpoints(rm.save_total_limit))
     if ppo_trainable:
-        disk["ppo output"] = ppo_trainable + 3 * 3 * ppo_trainable
+        disk["ppo output"] = trl_output_bytes(ppo_trainable, held_checkpoints(2))
     disk["total"] = sum(disk.values())
     return disk
 
