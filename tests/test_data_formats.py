@@ -191,3 +191,38 @@ def test_a_bad_row_from_the_command_line_is_one_line_naming_file_row_and_fix(tmp
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert f"{path}: row 1, field 'response_chosen'" in err and "skip_bad_rows: true" in err
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity"])
+def test_a_margin_that_is_not_a_finite_number_is_refused_naming_file_row_and_key(tmp_path, token):
+    """Reliability issue: a pair with `"margin": NaN` (JSON tokens Python's json module reads) trained a reward model
+    whose adapter was all NaN, and the stage exited 0. The row is refused as any bad row is: file, row, key."""
+    good = json.dumps({"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1.0})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(good + "\n" + f'{{"prompt": "q", "chosen": "a", "rejected": "c", "margin": {token}}}\n')
+    with pytest.raises(BadRowError, match=rf"pairs.jsonl: row 1, field 'margin': expected a finite number, got "
+                                          rf"-?(nan|inf)"):
+        load_preferences(str(path), "trl")
+    generic = tmp_path / "generic.json"  # every format's margin goes through the same check
+    generic.write_text(f'[{{"question": "q", "response_chosen": "a", "response_rejected": "b", "margin": {token}}}]')
+    with pytest.raises(BadRowError, match=r"generic.json: row 0, field 'margin': expected a finite number"):
+        load_preferences(str(generic), "generic")
+
+
+def test_a_non_finite_margin_stops_the_reward_stage_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """From the command line: one line naming the file, the row and `margin`, exit status 2, nothing loaded."""
+    import transformers
+
+    from marlhf_edu import cli
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad margin was refused")
+
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", loaded)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "q", "chosen": "a", "rejected": "b", "margin": NaN}\n')
+    assert cli.main(["rm", "--config", "configs/tiny_rm.yaml", "--model_name_or_path", "zoo", "--dataset_name",
+                     str(path), "--dataset_format", "trl", "--output_dir", str(tmp_path / "rm")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{path}: row 0, field 'margin': expected a finite number, got nan" in err
+    assert not (tmp_path / "rm" / "adapter_model.safetensors").exists()

@@ -84,11 +84,18 @@ def _response_id(row: dict, i: int, key: str) -> int:
 
 
 def _margin(row: dict, i: int) -> float | None:
+    """The row's margin as a float, or None without one. NaN and ±inf are refused: JSON's `NaN` and `Infinity`
+    reach here as floats (Python's json module reads them), and one such pair made every weight of the reward
+    model NaN, with the stage exiting 0."""
+    import math
+
     if row.get("margin") is None:
         return None
     value = row["margin"]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRowError(i, "margin", f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise BadRowError(i, "margin", f"expected a finite number, got {value!r}")
     return float(value)
 
 

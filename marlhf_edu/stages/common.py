@@ -23,9 +23,10 @@ class DataArguments:
     max_rows: int = field(default=0, metadata={"help": "use the first N rows (after max_tokens); 0 = all"})
     toy_seed: int = field(default=0, metadata={"help": "seed of the toy world"})
     overwrite_output: bool = field(default=False, metadata={"help": "replace a finished or stopped run already in "
-                                                                    "output_dir (the command removes its checkpoints; "
-                                                                    "without it the stage refuses, before loading "
-                                                                    "anything)"})
+                                                                    "output_dir (the command removes its model, "
+                                                                    "adapter, tokenizer and checkpoints, and nothing "
+                                                                    "else; without it the stage refuses, before "
+                                                                    "loading anything)"})
 
 
 #: The stages' counts and limits that must not be negative (`max_rows: -3` kept all but the last three prompts).
@@ -255,6 +256,46 @@ def record_base(output_dir, model_ref: str) -> None:
 FINISHED_RUN_FILES = ("adapter_model.safetensors", "adapter_config.json", "model.safetensors",
                       "model.safetensors.index.json", "pytorch_model.bin", "eval_metrics.json")
 
+#: Every file a trl stage (or the pipeline, for it) writes at the top of its `output_dir`, by name: the model or
+#: adapter and its configs, sharded weights, the tokenizer, the training arguments, the metrics and the pipeline's
+#: completion marker (`pipeline.MARKER`). `--overwrite_output` removes these, the `checkpoint-N` folders and a
+#: generated model card (`README.md`), and nothing else: a LoRA run replaced by a full one left its
+#: `adapter_config.json` beside the new weights, and every later stage loaded the old adapter
+#: (`ModelSource._local` reads an adapter first).
+RUN_OUTPUT_FILES = FINISHED_RUN_FILES + (
+    "adapter_model.bin", "config.json", "generation_config.json", "pytorch_model.bin.index.json", "training_args.bin",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "tokenizer.model", "vocab.json", "vocab.txt", "merges.txt", "pipeline_stage.json")
+RUN_OUTPUT_PATTERNS = ("model-*-of-*.safetensors", "pytorch_model-*-of-*.bin")
+
+
+def remove_run_outputs(output_dir) -> list[str]:
+    """Remove a replaced run's outputs from `output_dir`: the files named in `RUN_OUTPUT_FILES` or matching
+    `RUN_OUTPUT_PATTERNS`, `README.md` when it is a model card (YAML front matter naming a `library_name`, as peft
+    and trl write it) and the `checkpoint-N` folders; returns the names removed. Only these go: anything else the
+    folder holds (a user's notes or data, trackers' logs, the lock) is kept."""
+    import pathlib
+    import shutil
+
+    out = pathlib.Path(output_dir)
+    files = [out / name for name in RUN_OUTPUT_FILES] + sorted(p for pattern in RUN_OUTPUT_PATTERNS
+                                                                for p in out.glob(pattern))
+    card = out / "README.md"
+    if card.is_file() and not card.is_symlink():
+        text = card.read_text(errors="replace")
+        if text.startswith("---\n") and "\nlibrary_name:" in text.split("\n---", 1)[0]:
+            files.append(card)
+    removed = []
+    for path in files:
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+            removed.append(path.name)
+    for folder in sorted(out.glob("checkpoint-*")):
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
+            removed.append(folder.name)
+    return removed
+
 
 def trl_checkpoint_problem(folder) -> str | None:
     """None when a trl `checkpoint-N` folder is complete, else what is missing. The Trainer writes the weights,
@@ -287,25 +328,48 @@ def unwritable_folder(path):
     return None if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK) else existing
 
 
+def resume_checkpoint(stage: str, training_args, log=None) -> str | None:
+    """The checkpoint folder a trl stage resumes from (what its `trainer.train(resume_from_checkpoint=...)` gets),
+    or None: unset, empty or `false` is no resume; `true` is the newest complete `checkpoint-N` in `output_dir`
+    (an incomplete newer one, left by a kill while saving, is passed over, and said to `log`); anything else is a
+    checkpoint folder, which must be complete. The option arrives as the text `"true"`, which transformers read
+    as a folder's name (`Can't find a valid checkpoint at true`), and transformers' own `True` would take the
+    highest-numbered folder, complete or not. A resume that cannot be is a `ConfigError` naming the folder."""
+    import pathlib
+
+    resume = training_args.resume_from_checkpoint
+    if resume is None or resume is False or str(resume).strip().lower() in ("", "false"):
+        return None
+    if resume is True or str(resume).strip().lower() == "true":
+        out = pathlib.Path(training_args.output_dir)
+        numbered = sorted((c for c in out.glob("checkpoint-*") if c.name[len("checkpoint-"):].isdigit()),
+                          key=lambda c: int(c.name[len("checkpoint-"):]), reverse=True)
+        for folder in numbered:
+            problem = trl_checkpoint_problem(folder)
+            if problem is None:
+                return str(folder)
+            if log is not None:
+                log(f"{stage}: {folder} is incomplete ({problem}); not resuming from it")
+        raise ConfigError(f"{stage}: resume_from_checkpoint is true, but {out} holds no complete "
+                          "checkpoint-N folder to resume from")
+    if problem := trl_checkpoint_problem(resume):
+        raise ConfigError(f"{stage}: resume_from_checkpoint {resume} cannot be resumed from: {problem}")
+    return str(resume)
+
+
 def check_output_dir(stage: str, script_args, training_args) -> None:
     """What a trl stage (sft, rm, dpo, grpo) checks of its `output_dir` before any data or model loads, as the
     PPO stage does: it can be written; it does not already hold a finished run (`FINISHED_RUN_FILES`) unless
     `overwrite_output` (trl would overwrite it silently); and a `resume_from_checkpoint` names a complete
-    checkpoint (`true`: `output_dir` holds one). Each problem is a `ConfigError` naming the folder."""
+    checkpoint (`true`: `output_dir` holds one; `resume_checkpoint`). Each problem is a `ConfigError` naming the
+    folder."""
     import pathlib
 
     out = pathlib.Path(training_args.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{stage}: output_dir {out} is a file, not a folder")
-    resume = training_args.resume_from_checkpoint
-    if resume not in (None, False, "", "false", "False"):
-        if resume is True or str(resume).lower() == "true":
-            if not any(trl_checkpoint_problem(c) is None for c in out.glob("checkpoint-*")):
-                raise ConfigError(f"{stage}: resume_from_checkpoint is true, but {out} holds no complete "
-                                  "checkpoint-N folder to resume from")
-        elif problem := trl_checkpoint_problem(resume):
-            raise ConfigError(f"{stage}: resume_from_checkpoint {resume} cannot be resumed from: {problem}")
-    elif not script_args.overwrite_output:
+    resuming = resume_checkpoint(stage, training_args) is not None  # a resume that cannot be is refused in there
+    if not resuming and not script_args.overwrite_output:
         found = [name for name in FINISHED_RUN_FILES if (out / name).exists()]
         if found:
             raise ConfigError(f"{stage}: output_dir {out} already holds a finished run ({found[0]}); choose another "
@@ -326,21 +390,22 @@ def run_trl_stage(stage: str, run, script_args, training_args, model_args):
     model_args)`: check the output folder first (`check_output_dir`: a launch refused for its folder writes
     nothing; one refused by `run`'s own checks leaves only the lock file), then hold its lock for the whole run
     (`RunLock`, rank 0), so that a second launch into it is refused instead of interleaving with it; with
-    `overwrite_output` and no resume, a stopped run's `checkpoint-N` folders are removed first, so that no later
-    resume continues the old run. `run_sft` and the like called from Python do neither."""
+    `overwrite_output` and no resume, the replaced run's outputs are removed first (`remove_run_outputs`: its
+    model, adapter, tokenizer, marker and `checkpoint-N` folders, by name), so that neither a later load reads the
+    old model beside the new one nor a later resume continues the old run. `run_sft` and the like called from
+    Python do neither."""
     import os
-    import pathlib
-    import shutil
 
     from marlhf_edu.ppo.run_files import RunLock
 
     check_output_dir(stage, script_args, training_args)
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    resuming = training_args.resume_from_checkpoint not in (None, False, "", "false", "False")
+    resuming = resume_checkpoint(stage, training_args) is not None
     with RunLock(training_args.output_dir, enabled=main_rank):
         if script_args.overwrite_output and main_rank and not resuming:
-            for stale in pathlib.Path(training_args.output_dir).glob("checkpoint-*"):
-                shutil.rmtree(stale)
+            if removed := remove_run_outputs(training_args.output_dir):
+                print(f"{stage}: overwrite_output: removed the replaced run's {', '.join(removed)} from "
+                      f"{training_args.output_dir}")
         return run(script_args, training_args, model_args)
 
 

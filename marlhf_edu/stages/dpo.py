@@ -113,7 +113,7 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     from trl import DPOTrainer
 
     from marlhf_edu.models import SFT_DIR, load_tokenizer
-    from marlhf_edu.stages.common import check_output_dir, resolve_zoo, select_rows
+    from marlhf_edu.stages.common import check_output_dir, resolve_zoo, resume_checkpoint, select_rows
     from marlhf_edu.stages.reward import check_lengths, load_preference_data
 
     check_output_dir("dpo", script_args, training_args)  # before anything loads
@@ -130,7 +130,8 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     model, _ = load_policy(model_args)
     trainer = DPOTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
                          peft_config=peft_config)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    # `--resume_from_checkpoint true`: the newest complete checkpoint-N (transformers read "true" as a folder)
+    trainer.train(resume_from_checkpoint=resume_checkpoint("dpo", training_args, log=print))
     trainer.save_model(training_args.output_dir)
     return trainer, evaluate_after(trainer, tokenizer, script_args, training_args)
 

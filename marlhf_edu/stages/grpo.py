@@ -85,7 +85,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
 
     from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
     from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.stages.common import check_output_dir, resolve_zoo
+    from marlhf_edu.stages.common import check_output_dir, resolve_zoo, resume_checkpoint
     from marlhf_edu.stages.dpo import (check_reward_before_loading, check_reward_vocabulary, evaluate_after, load_policy,
                                        lora_policy_config)
     from marlhf_edu.stages.ppo import load_prompts
@@ -140,7 +140,8 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     prompts = Dataset.from_list([{"prompt": p} for p in texts])
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=training_args, train_dataset=prompts,
                           processing_class=tokenizer, peft_config=peft_config)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    # `--resume_from_checkpoint true`: the newest complete checkpoint-N (transformers read "true" as a folder)
+    trainer.train(resume_from_checkpoint=resume_checkpoint("grpo", training_args, log=print))
     trainer.save_model(training_args.output_dir)
     return trainer, evaluate_after(trainer, tokenizer, script_args, training_args)
 

@@ -159,7 +159,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype
     from marlhf_edu.sources import align_pad, resolve_model
     from marlhf_edu.stages.common import (check_output_dir, quantization_and_device_map, record_base,
-                                         select_rows, torch_dtype)
+                                         resume_checkpoint, select_rows, torch_dtype)
 
     check_output_dir("rm", script_args, training_args)  # before anything loads
     peft_config = get_peft_config(model_args)
@@ -212,7 +212,8 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     # whole model trained in bf16 (no LoRA) is left in the dtype asked for
     if model_args.use_peft or dtype is torch.float32:
         keep_trainable_dtype(trainer.model)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes
+    # `--resume_from_checkpoint true`: the newest complete checkpoint-N (transformers read "true" as a folder)
+    trainer.train(resume_from_checkpoint=resume_checkpoint("rm", training_args, log=print))  # `pipeline` resumes
     trainer.save_model(training_args.output_dir)  # rank 0 writes (trl); so do we, and every rank waits for it
     if trainer.is_world_process_zero():
         record_base(training_args.output_dir, model_args.model_name_or_path)

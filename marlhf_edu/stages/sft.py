@@ -64,8 +64,8 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
 
     from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype
     from marlhf_edu.sources import align_pad, resolve_model
-    from marlhf_edu.stages.common import (check_output_dir, quantization_and_device_map, record_base, select_rows,
-                                         torch_dtype)
+    from marlhf_edu.stages.common import (check_output_dir, quantization_and_device_map, record_base,
+                                         resume_checkpoint, select_rows, torch_dtype)
     from marlhf_edu.stages.reward import check_lengths
 
     check_output_dir("sft", script_args, training_args)  # before anything loads
@@ -96,7 +96,8 @@ def run_sft(script_args: SFTScriptArguments, training_args, model_args, dataset=
     # whole model trained in bf16 (no LoRA) is left in the dtype asked for
     if model_args.use_peft or torch_dtype(model_args) is torch.float32:
         keep_trainable_dtype(trainer.model)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)  # `pipeline` resumes
+    # `--resume_from_checkpoint true`: the newest complete checkpoint-N (transformers read "true" as a folder)
+    trainer.train(resume_from_checkpoint=resume_checkpoint("sft", training_args, log=print))  # `pipeline` resumes
     trainer.save_model(training_args.output_dir)  # rank 0 writes (trl); so do we, and every rank waits for it
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(training_args.output_dir)
