@@ -108,3 +108,27 @@ def test_preflight_checks_the_real_checkpoint_against_the_plan_and_the_tokenizer
     no_pad = _checkpoint(tmp_path / "no_pad", vocab_size=32000, eos="</eos>")
     with pytest.raises(ConfigError, match="no pad token distinct from EOS"):
         main(base + ["--sft_model_path", str(no_pad)])
+
+
+def test_preflight_picks_the_largest_micro_batch_that_fits(capsys):
+    """The update's rows per forward/backward: the largest divisor of the minibatch whose planned PPO stage fits the
+    GPU with the headroom (fewer passes over the weights; on an H100 at 7B one update took 8.2 s at 1, 2.4 s at 4).
+    With 4-row sampling forwards the 7B stage needs 7.50 GiB at micro-batch 1, 7.68 at 2 and 8.05 at 4."""
+    small = ["--forward_batch_size", "4"]
+    picked = {gib: main(SEVEN_B + small + ["--gpu_memory_gib", str(gib)])["micro_batch_size"] for gib in (8.0, 8.3, 80)}
+    assert picked == {8.0: 1, 8.3: 2, 80: 4}
+    text = capsys.readouterr().out
+    assert "micro_batch_size: 1, the largest that divides the minibatch and fits" in text
+    assert "micro_batch_size: 4 would fit too (ma-ppo needs 8.05 GiB)" in text
+    assert "pass --micro_batch_size 4 to plan and launch with it" in text
+    # only divisors of the minibatch: a 3-row micro-batch would leave a remainder
+    need = type("Need", (), {})
+
+    def plan(m):
+        n = need()
+        n.device = 10 * m
+        return n
+
+    assert preflight_module.largest_micro_batch(plan, 6, usable=35)[0] == 3
+    assert preflight_module.largest_micro_batch(plan, 4, usable=35)[0] == 2
+    assert preflight_module.largest_micro_batch(plan, 4, usable=5)[0] == 1  # nothing fits: 1, and preflight fails

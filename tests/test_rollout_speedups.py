@@ -14,6 +14,7 @@ from marlhf_edu.ppo import FourModelBackend, PPOConfig
 from marlhf_edu.ppo.backends import sequence_logprobs
 from marlhf_edu.memory.plan import MemorySettings, ModelShape, merged_rollout_bytes
 from marlhf_edu.ppo.merged_rollout import MergedPolicy
+from marlhf_edu.ppo.distributed import left_pad_to
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
 from marlhf_edu.ppo.trainer import PHASES, TIMING_KEYS
 from marlhf_edu.stages.common import ConfigError
@@ -302,3 +303,55 @@ def test_truncated_importance_sampling_needs_a_merged_copy():
     with pytest.raises(ConfigError, match="tis_cap"):
         PPOConfig(tis_cap=0.5, merged_rollout=True).validate()
     PPOConfig(tis_cap=2.0, merged_rollout=True).validate()
+
+
+# ---- rollout_cache: static -----------------------------------------------------------------------------------
+
+def test_static_cache_samples_the_dynamic_caches_tokens(tmp_path, prompts):
+    """The merged copy with a static KV cache (`rollout_cache: static`, compiled on CUDA) gives the tokens the
+    dynamic cache gives on a CPU: greedy and sampled from one seed, on left-padded prompts of several widths (the
+    static cache is longer than the prompt: its unused slots must be masked out)."""
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True)
+    peft_model, adapter = trainer.backend.lora_policy()
+    _perturb_policy(peft_model, adapter)
+    dynamic, static = MergedPolicy(peft_model, adapter), MergedPolicy(peft_model, adapter, cache="static")
+    assert static.model.generation_config.cache_implementation == "static"
+    tok = trainer.tokenizer
+    batch = tok(trainer.batch_prompts(0), return_tensors="pt", padding=True, padding_side="left")
+    for extra in (0, 7):  # the batch's own width, then more left padding (as the trainer pads for a static cache)
+        ids, mask = left_pad_to(batch["input_ids"], batch["attention_mask"], batch["input_ids"].shape[1] + extra,
+                                tok.pad_token_id)
+        enc = dict(input_ids=ids, attention_mask=mask)
+        for kwargs in (dict(do_sample=False), dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)):
+            out = []
+            for merged in (dynamic, static):
+                torch.manual_seed(5)
+                out.append(merged.model.generate(**enc, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                                                 eos_token_id=tok.eos_token_id, **kwargs))
+            assert torch.equal(out[0], out[1]), (extra, kwargs)
+    # the check can fail: another adapter's copy samples other tokens
+    _perturb_policy(peft_model, adapter, seed=9)
+    static.refresh()
+    torch.manual_seed(5)
+    moved = static.model.generate(**enc, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id, do_sample=False)
+    assert not torch.equal(moved, out[0])
+
+
+def test_static_rollout_cache_trains_as_the_dynamic_one(tmp_path, prompts):
+    """Two steps of MA-PPO with `rollout_cache: static` give the records of `rollout_cache: dynamic` (on a CPU nothing
+    is compiled; the static path pads prompts to max_prompt_length and strips the padding again), and it needs
+    merged_rollout."""
+    records = {}
+    for cache in ("dynamic", "static"):
+        trainer = build(tmp_path / cache, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=True,
+                        rollout_cache=cache, rollout_seeding="per_chunk")
+        assert trainer.backend._merged.cache == cache
+        records[cache] = [trainer.step() for _ in range(2)]
+    for a, b in zip(records["dynamic"], records["static"]):
+        for key in ("score/mean", "kl/k1", "response/length", "loss/total", "rollout/logprob_gap"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    with pytest.raises(ConfigError, match="rollout_cache: static .* needs merged_rollout"):
+        PPOConfig(rollout_cache="static").validate()
+    with pytest.raises(ConfigError, match="rollout_cache must be one of"):
+        PPOConfig(rollout_cache="paged", merged_rollout=True).validate()

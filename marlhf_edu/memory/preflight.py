@@ -163,8 +163,8 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
     per_rank = config.batch_size // args.num_gpus
     s = replace(s, forward_batch_size=min(s.forward_batch_size, per_rank))
 
-    def plan_with(merged: bool):
-        settings = replace(s, merged_rollout=merged)
+    def plan_with(merged: bool, micro: int | None = None):
+        settings = replace(s, merged_rollout=merged, micro_batch_size=micro or s.micro_batch_size)
         return (plan_multi_adapter(shape, multi_adapter_settings(settings)) if args.command == "ma-ppo"
                 else plan_four_model(shape, settings))
 
@@ -199,6 +199,14 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
             print(f"  {what:36s} {_fmt(nbytes):>10s}")
     print(f"GPU: {_fmt(gpu)} ({source}); usable with {args.headroom:.0%} headroom: {_fmt(usable)}")
     print(f"  the largest need, {largest.stage}'s: {_fmt(largest.device)} -> " + ("fits" if fits else "DOES NOT FIT"))
+    micro, micro_need = largest_micro_batch(lambda m: ppo_need(plan_with(s.merged_rollout, m)),
+                                            config.mini_batch_size // args.num_gpus, usable)
+    if micro != s.micro_batch_size:
+        print(f"  micro_batch_size: {micro} would fit too ({micro_need.stage} needs {_fmt(micro_need.device)}), "
+              f"the largest that divides the minibatch; the config has {s.micro_batch_size} "
+              f"(pass --micro_batch_size {micro} to plan and launch with it)")
+    else:
+        print(f"  micro_batch_size: {micro}, the largest that divides the minibatch and fits")
     tokens = config.batch_size * (s.prompt_length + s.response_length)
     print(f"tokens per step: {tokens:,} ({config.batch_size} x ({s.prompt_length} + {s.response_length})), "
           f"{config.total_steps} steps")
@@ -220,7 +228,23 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
         print(f"launch: {ALLOCATOR_ENV} accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml "
               f"--num_processes {args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}{extra}")
     return {"plan": plan, "needs": needs, "largest": largest, "disk": disk, "gpu_bytes": gpu, "fits": fits,
-            "tokens_per_step": tokens, "meta_params": n_meta}
+            "tokens_per_step": tokens, "meta_params": n_meta, "micro_batch_size": micro}
+
+
+def largest_micro_batch(plan_with_micro, mini_batch_per_rank: int, usable: int) -> tuple[int, object]:
+    """The largest micro-batch that divides this rank's share of a minibatch and whose PPO stage still fits in
+    `usable` bytes, with that stage's need: `plan_with_micro(m)` → the `StageNeed` of the run at micro-batch m.
+
+    The update's working set grows with the rows per forward/backward (activations, the logits' backward); the
+    rest of the step does not. Fewer, larger micro-batches cost fewer passes over the weights: on one H100 at 7B
+    one update took 8.2 s at micro-batch 1 and 2.4 s at 4 (benchmarks/gpu_check.json, `sampling`). Returns
+    `(1, need_at_1)` when even 1 does not fit: preflight's own check then reports it."""
+    divisors = [m for m in range(mini_batch_per_rank, 0, -1) if mini_batch_per_rank % m == 0]
+    for m in divisors:
+        need = plan_with_micro(m)
+        if need.device <= usable:
+            return m, need
+    return 1, plan_with_micro(1)
 
 
 def what_lowers(need, s) -> str:

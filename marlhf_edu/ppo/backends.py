@@ -169,11 +169,12 @@ class PPOBackend:
         """`(peft_model, adapter_name)` of a LoRA policy, for `use_merged_rollout`."""
         raise NotImplementedError
 
-    def use_merged_rollout(self) -> None:
-        """Sample from a dense copy of the policy with its LoRA merged (`marlhf_edu.ppo.merged_rollout`)."""
+    def use_merged_rollout(self, cache: str = "dynamic") -> None:
+        """Sample from a dense copy of the policy with its LoRA merged (`marlhf_edu.ppo.merged_rollout`), with a
+        dynamic or a static KV cache (`PPOConfig.rollout_cache`)."""
         from marlhf_edu.ppo.merged_rollout import MergedPolicy
 
-        self._merged = MergedPolicy(*self.lora_policy())
+        self._merged = MergedPolicy(*self.lora_policy(), cache=cache)
 
     def export_policy(self, out_dir) -> None:
         """Save the trained policy where `marlhf-edu merge` / `generate` and every model reference can read it:

@@ -26,6 +26,8 @@ TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
 PROMPT_FORMATS = ("prompt", "hh-rlhf")
 #: What PPO optimises (`PPOConfig.reward`).
 REWARDS = ("reward_model", "keyword_judge", "canonical_refusal")
+#: KV caches the merged rollout copy can sample with (`PPOConfig.rollout_cache`, `merged_rollout.MergedPolicy`).
+ROLLOUT_CACHES = ("dynamic", "static")
 #: Settings a resume may change freely: they do not define what has been trained so far.
 RESUME_FREE = ("total_steps", "save_steps", "resume", "resume_overrides", "report_to", "output_dir", "device",
                "eval_repeats", "eval_prompts", "eval_every", "eval_every_prompts")
@@ -48,6 +50,7 @@ class PPOConfig:
     critic_init: str = field(default="zero", metadata={"help": "'zero': the critic is the SFT backbone with a zero head; 'reward_model': the critic starts as the reward model (its backbone, adapter and score head), as InstructGPT and MA-RLHF do"})
     critic: str = field(default="separate", metadata={"help": "four-model only: 'separate' (a critic with its own backbone, chapter 09) or 'shared_head' (a value head on the actor's last hidden state, trl 0.11's AutoModelForCausalLMWithValueHead: one forward, one backbone less)"})
     merged_rollout: bool = field(default=False, metadata={"help": "sample rollouts from a dense copy of the policy with its LoRA merged (NF4 bases dequantized), refreshed after every update; log-probs still come from the training path. Needs a LoRA policy; costs one dense copy of the model"})
+    rollout_cache: str = field(default="dynamic", metadata={"help": "merged_rollout only: 'dynamic' (a KV cache that grows token by token) or 'static' (one preallocated KV cache of max_prompt_length + max_new_tokens; prompts are left-padded to max_prompt_length so every step samples in one shape, and on CUDA transformers compiles the decode step into CUDA graphs). The samples follow the same distribution; on CUDA the compiled kernels round differently (rollout/logprob_gap shows it)"})
     tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling for merged_rollout: each answer token's policy loss is weighted by min(π_train/π_sampler, tis_cap), the correction for tokens drawn from a copy that is not exactly the policy (verl's and OpenRLHF's for vLLM; 2 is common); 0 = off"})
     merged_reward: bool = field(default=False, metadata={"help": "four-model only: score with the reward LoRA merged into the reward model's own fp32 copy of its base (one matmul per layer instead of three; scores equal to float rounding). Off by default so that stored runs replay exactly"})
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
@@ -211,6 +214,11 @@ class PPOConfig:
         need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.merged_rollout),
              f"tis_cap corrects sampling from a merged copy: it needs merged_rollout: true and a cap >= 1 (or 0 = off), "
              f"got tis_cap {self.tis_cap}, merged_rollout {self.merged_rollout}")
+        need(self.rollout_cache in ROLLOUT_CACHES,
+             f"rollout_cache must be one of {ROLLOUT_CACHES}, got {self.rollout_cache!r}")
+        need(self.rollout_cache == "dynamic" or self.merged_rollout,
+             "rollout_cache: static compiles the sampling model's decode step; it needs merged_rollout: true (the "
+             "dense copy: a LoRA on a 4-bit base does not compile into one graph)")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         return self

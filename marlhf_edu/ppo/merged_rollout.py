@@ -19,6 +19,14 @@ and the base is also the reference model.
 
 Cost: one dense copy of the model, parameters × bytes of the compute dtype (`memory.plan_memory`'s
 `merged_rollout` term). Taught in chapter 09; the config switch is `merged_rollout`.
+
+A static KV cache (`cache="static"`, the config's `rollout_cache`) makes the copy sample in fixed shapes: one
+cache of (rows, prompt width + new tokens) per layer allocated up front instead of one that grows each token,
+so on CUDA transformers' `generate` compiles the one-token decode step (`torch.compile`, mode
+"reduce-overhead": CUDA graphs). Decoding 16 answers from a 7B model is a few hundred small kernels per token;
+replayed as one graph, their launch cost disappears. The copy's weights are refreshed in place (`copy_`), so
+a captured graph reads the new weights without being captured again. On a CPU nothing is compiled and the
+static cache gives the dynamic one's tokens (`tests/test_merged_rollout.py`). Taught in chapter 15.
 """
 
 from __future__ import annotations
@@ -61,9 +69,12 @@ class MergedPolicy:
     """A dense causal LM equal to `peft_model`'s base with adapter `adapter` merged, for sampling only.
 
     `refresh()` after the adapter changed; `stale` says whether it must be refreshed before the next sample.
+    `cache`: "dynamic" (transformers' default) or "static" (see the module docstring).
     """
 
-    def __init__(self, peft_model, adapter: str, dtype: torch.dtype | None = None):
+    def __init__(self, peft_model, adapter: str, dtype: torch.dtype | None = None, cache: str = "dynamic"):
+        if cache not in ("dynamic", "static"):
+            raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
         from transformers import AutoModelForCausalLM
 
         base = peft_model.get_base_model()
@@ -88,6 +99,9 @@ class MergedPolicy:
         self.model.tie_weights()
         self.model.eval().requires_grad_(False)
         self.model.generation_config = copy.deepcopy(base.generation_config)
+        self.cache = cache
+        if cache == "static":  # every `generate` on the copy allocates a static cache (and compiles on CUDA)
+            self.model.generation_config.cache_implementation = "static"
         self.stale = True
         self.refresh()
 

@@ -192,7 +192,7 @@ class PPOTrainer:
         if config.gradient_checkpointing:
             backend.enable_gradient_checkpointing()
         if config.merged_rollout:
-            backend.use_merged_rollout()
+            backend.use_merged_rollout(cache=config.rollout_cache)
         groups = backend.parameter_groups()
         self.dp.broadcast_parameters([p for params in groups.values() for p in params])  # one starting point
         lrs = {"policy": config.learning_rate, "value": config.critic_learning_rate or config.learning_rate}
@@ -232,11 +232,16 @@ class PPOTrainer:
         """Sampled (b, P + r) ids of one forward chunk; `chunk` counts chunks over the global batch."""
         cfg = self.config
         sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        extra = 0
+        if cfg.rollout_cache == "static":  # one prompt width for every step: one cache shape, one compiled decode step
+            extra = max(0, cfg.max_prompt_length - prompt_ids.shape[1])
+            prompt_ids, prompt_mask = left_pad_to(prompt_ids, prompt_mask, cfg.max_prompt_length,
+                                                  self.tokenizer.pad_token_id)
         if cfg.rollout_seeding == "stream":
-            return self.backend.generate(prompt_ids, prompt_mask, **sampling)
+            return self.backend.generate(prompt_ids, prompt_mask, **sampling)[:, extra:]
         with fork_all_rngs():
             torch.manual_seed(chunk_seed(cfg.seed, self.step_index, chunk))
-            return self.backend.generate(prompt_ids, prompt_mask, **sampling)
+            return self.backend.generate(prompt_ids, prompt_mask, **sampling)[:, extra:]
 
     @torch.no_grad()
     def rollout(self, prompts: list[str]) -> Rollout:
