@@ -200,6 +200,28 @@ def adapter_base(adapter_dir) -> str:
     return HUB_PREFIX + source.location if source.kind == "hub" and not base.startswith(HUB_PREFIX) else base
 
 
+def check_adapter_chain(adapter_dir) -> list[str]:
+    """The adapters a merge of `adapter_dir` goes through, itself first, following each recorded base while it is
+    a local adapter; `ConfigError` naming the chain when it comes back to one already in it (an adapter recorded
+    as its own base, or A on B on A). Checked before any cache lock is taken: resolving such a chain would ask
+    for the lock of an entry this process is building, and wait for itself forever."""
+    chain, seen = [], {}
+    path = pathlib.Path(adapter_dir)
+    while True:
+        key = path.resolve()
+        if key in seen:
+            loop = " -> ".join([*chain[seen[key]:], str(path)])
+            raise ConfigError(f"{adapter_dir}: its base_model_name_or_path leads back to an adapter already on the "
+                              f"way ({loop}): an adapter cannot be its own base. Set base_model_name_or_path in "
+                              f"{path / 'adapter_config.json'} to the model it was trained on")
+        seen[key] = len(chain)
+        chain.append(str(path))
+        source = ModelSource.parse(adapter_base(path), recorded=True)
+        if source.kind != "adapter":
+            return chain
+        path = pathlib.Path(source.location)
+
+
 def resolve_model(ref) -> str:
     """A directory (or hub id) that `from_pretrained` loads for any model reference (see the module docstring)."""
     source = ModelSource.parse(ref)
@@ -305,6 +327,7 @@ def materialize_adapter(adapter_dir) -> pathlib.Path:
     if task != "CAUSAL_LM":
         raise ConfigError(f"{adapter_dir}: a {task} adapter is not a language model; as a model reference only "
                           "CAUSAL_LM adapters (an SFT or policy adapter) can be merged into their base")
+    check_adapter_chain(adapter_dir)  # before `publish` takes the lock that a cycle would wait on
     weights = adapter_dir / "adapter_model.safetensors"
     digest = hashlib.sha256(weights.read_bytes() + json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     target = cache_dir() / "merged" / f"{adapter_dir.name}-{digest}"
@@ -354,6 +377,7 @@ def load_tokenizer(ref):
     if not own and (path / "adapter_config.json").exists():
         # an adapter without one uses its base's: a LoRA changes no token, and merging a 7B base (tens of seconds,
         # 13.5 GB) only to read a tokenizer is what a stage must not do before it has checked its data
+        check_adapter_chain(path)  # an adapter on itself would recurse here without end
         return load_tokenizer(adapter_base(path))
     tokenizer = AutoTokenizer.from_pretrained(str(path) if own else resolve_model(ref))
     pad = choose_pad_token(tokenizer)

@@ -420,3 +420,60 @@ def test_the_memory_planner_reads_an_adapters_shape_from_its_base_without_mergin
     shape = ModelShape.resolve(str(adapter))
     base = ModelShape.resolve(str(SFT_DIR))
     assert (shape.hidden_size, shape.num_layers, shape.vocab_size) == (base.hidden_size, base.num_layers, base.vocab_size)
+
+
+def _adapter_on(folder: pathlib.Path, base, tokenizer: bool = True) -> pathlib.Path:
+    """A tiny causal-LM adapter folder recording `base` (what merging reads first: its config, its weights file
+    for the cache key and, with `tokenizer`, the zoo tokenizer as its own), without training or peft."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base),
+                                                            "task_type": "CAUSAL_LM", "peft_type": "LORA"}))
+    (folder / "adapter_model.safetensors").write_bytes(b"not read before the base is resolved")
+    if tokenizer:
+        load_tokenizer("zoo").save_pretrained(str(folder))
+    return folder
+
+
+def _resolve_in_a_child(ref, cache: pathlib.Path, timeout: int = 90):
+    """`resolve_model(ref)` in a child process with its own cache, killed after `timeout` s (a hang fails the
+    test instead of stalling the suite); a `ConfigError` exits 2 with its message on stdout."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom marlhf_edu.errors import ConfigError\nfrom marlhf_edu.sources import resolve_model\n"
+            "try:\n    resolve_model(sys.argv[1])\nexcept ConfigError as err:\n    print(err)\n    sys.exit(2)\n")
+    return subprocess.run([sys.executable, "-c", code, str(ref)], env={**os.environ, "MARLHF_EDU_CACHE": str(cache)},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("cycle", ["itself", "A on B on A"])
+def test_an_adapter_that_is_its_own_base_is_refused_naming_the_chain_not_a_hang(tmp_path, cycle):
+    """Reliability audit item 5: an adapter recording itself as its base (or A on B, B on A) hung every command
+    that resolved it: merging A resolved its base, A again, whose build waited on the cache lock this process
+    held for A; a `.lock` and a `.tmp-` folder were left in the cache. Refused before any lock, naming the chain."""
+    a = tmp_path / "a"
+    if cycle == "itself":
+        _adapter_on(a, a)
+        chain = f"{a} -> {a}"
+    else:
+        _adapter_on(a, tmp_path / "b")
+        _adapter_on(tmp_path / "b", a)
+        chain = f"{a} -> {tmp_path / 'b'} -> {a}"
+    cache = tmp_path / "cache"
+    proc = _resolve_in_a_child(a, cache)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "leads back to an adapter already on the way" in proc.stdout and chain in proc.stdout, proc.stdout
+    assert "base_model_name_or_path in" in proc.stdout and "Traceback" not in proc.stderr
+    left = sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) if cache.exists() else []
+    assert left == [], f"left in the cache: {left}"
+
+
+def test_an_adapter_on_itself_without_a_tokenizer_is_refused_not_a_recursion(tmp_path):
+    """Reading such an adapter's tokenizer follows its base to the same folder: a RecursionError before the fix."""
+    from marlhf_edu.sources import check_adapter_chain
+
+    a = _adapter_on(tmp_path / "a", tmp_path / "a", tokenizer=False)
+    with pytest.raises(ConfigError, match="leads back to an adapter already on the way"):
+        load_tokenizer(a)
+    ok = _adapter_on(tmp_path / "ok", "zoo", tokenizer=False)
+    assert check_adapter_chain(_adapter_on(tmp_path / "on_ok", ok, tokenizer=False)) == [str(tmp_path / "on_ok"), str(ok)]

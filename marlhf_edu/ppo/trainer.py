@@ -45,7 +45,7 @@ from marlhf_edu.ppo.backends import PPOBackend, sequence_logprobs
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
-                                      seal_checkpoint)
+                                      seal_checkpoint, set_aside_stopped_run)
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.ppo_objective import ppo_loss
 from marlhf_edu.scoring import append_missing_eos, penalise_missing_eos, score_texts_with
@@ -482,15 +482,15 @@ class PPOTrainer:
         from tqdm.auto import tqdm
 
         cfg, main = self.config, self.dp.is_main
-        if cfg.resume:
-            self.load_checkpoint()
-        elif not self.run_folder_checked:
+        # a resume of a run stopped before its first checkpoint starts over (`load_checkpoint` gives None): fresh
+        fresh = not cfg.resume or self.load_checkpoint() is None
+        if not cfg.resume and not self.run_folder_checked:
             check_run_folder(cfg)  # a fresh run needs a folder without one
         self.dp.barrier()  # every rank has looked before rank 0 writes
         if main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         records = []
-        if self.eval_fn is not None and cfg.eval_every and not cfg.resume:
+        if self.eval_fn is not None and cfg.eval_every and fresh:
             if main:  # a fresh run: a curve left by a start that died in its first evaluation is not this run's
                 self.eval_curve_path.unlink(missing_ok=True)
             self._held_out_eval()  # the start of the curve: the policy before any update
@@ -577,14 +577,22 @@ class PPOTrainer:
         self.dp.barrier()
         return final
 
-    def load_checkpoint(self) -> int:
-        """Restore weights, optimizer, KL controller, RNGs and step from `checkpoints/latest`; cut the metrics
-        file back to that step (a killed run may have logged steps it never checkpointed). Refuses a run whose
-        settings differ from the checkpoint's (`check_run_folder`); applies `resume_overrides`."""
+    def load_checkpoint(self) -> int | None:
+        """Restore weights, optimizer, KL controller, RNGs and step from the newest checkpoint that verifies
+        (`usable_checkpoint`); cut the metrics file back to that step (a killed run may have logged steps it never
+        checkpointed). Refuses a run whose settings differ from the checkpoint's (`check_run_folder`); applies
+        `resume_overrides`. None for a run stopped before its first checkpoint: nothing is loaded, its records
+        are set aside (`set_aside_stopped_run`) and the run starts over from step 0."""
         from safetensors.torch import load_file
 
         # `stages.ppo.run` checked it before loading any model (hashing every file); otherwise check it now
-        ckpt, state = self.run_folder_checked or check_run_folder(self.config)
+        checked = self.run_folder_checked or check_run_folder(self.config)
+        if checked is None:  # stopped before its first checkpoint (check_run_folder said so): nothing to load
+            self.dp.barrier()  # every rank has looked before rank 0 moves the stopped run's records
+            if self.dp.is_main:
+                set_aside_stopped_run(self.output_dir)
+            return None
+        ckpt, state = checked
         saved_world = state.get("world_size", 1)
         if saved_world != self.dp.world_size:
             raise ConfigError(f"--resume: {ckpt} was written by a run on {saved_world} rank(s), this one has "

@@ -196,8 +196,9 @@ def wire(stages: list[Stage]) -> dict[str, str]:
 def resume_argv(stage: Stage, out: pathlib.Path, log=print) -> list[str]:
     """The options that continue a stopped stage from its last complete checkpoint in `out` (none if it has
     none); an incomplete newer one is named and passed over."""
-    if stage.kind == "ppo":
-        return ["--resume", "true"] if (out / "checkpoints" / "latest").exists() else []
+    if stage.kind == "ppo":  # whatever a fresh launch would refuse as a run: the resume finds its newest good
+        # checkpoint (with or without `latest`), or starts a run stopped before its first one over
+        return ["--resume", "true"] if (out / "metrics.jsonl").exists() or (out / "checkpoints").exists() else []
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
                          if p.name.split("-")[-1].isdigit() else -1)
     from marlhf_edu.stages.common import trl_checkpoint_problem

@@ -13,6 +13,7 @@ Taught in chapter 09.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 from marlhf_edu.errors import ConfigError
@@ -166,6 +167,52 @@ def evaluate(backend, world, config, out: pathlib.Path, when: str, write: bool =
     return metrics
 
 
+#: The before/after evaluation's records in a run folder, which a resume rewrites after training.
+EVALUATION_RECORDS = ("eval_samples.jsonl", "eval.json")
+
+
+def evaluation_record_problems(out: pathlib.Path) -> dict[str, str]:
+    """`{file name: what is wrong}` for each evaluation record in `out` that a resume could not rewrite after
+    training (`evaluate` reads every line of `eval_samples.jsonl`; `eval.json` is merged): found before anything
+    loads, since after training it would stop the run before `policy/` is exported, on every later resume too."""
+    problems = {}
+    for name in EVALUATION_RECORDS:
+        if (out / name).exists():
+            problem = _evaluation_record_problem(out / name)
+            if problem is not None:
+                problems[name] = problem
+    return problems
+
+
+def _evaluation_record_problem(path: pathlib.Path) -> str | None:
+    try:
+        text = path.read_text()
+    except (OSError, ValueError) as err:
+        return f"cannot be read ({err.__class__.__name__})"
+    if path.name == "eval.json":
+        try:
+            return None if isinstance(json.loads(text), dict) else "not a JSON object"
+        except ValueError:
+            return "not a JSON object"
+    for i, line in enumerate(text.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("when"), str):
+            return f"line {i + 1} is not a JSON answer record with a 'when'"
+    return None
+
+
+def set_aside_evaluation_records(out: pathlib.Path, problems: dict[str, str]) -> None:
+    """Move each damaged evaluation record to `<name>.damaged` (replacing an earlier one), saying so: the
+    resumed run evaluates the starting policy again and writes them anew."""
+    for name, problem in problems.items():
+        os.replace(out / name, out / f"{name}.damaged")
+        print(f"ppo: {out / name} is damaged ({problem}); moved to {name}.damaged, and this run writes it again "
+              "(the policy before training is evaluated once more, before the checkpoint loads)")
+
+
 def export_policy(backend, config, out_dir) -> None:
     """The trained policy as `out_dir`: a LoRA adapter whose `base_model_name_or_path` is the run's SFT model (so
     `marlhf-edu merge`, `generate` and any stage take it as a model reference), or the whole actor when it trained
@@ -231,8 +278,10 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
 
     The writing process holds a lock on `output_dir` for the whole run (`RunLock`); the folder and, on resume,
     the checkpoint's settings are checked before anything is loaded or written, so a repeated launch cannot
-    overwrite the run's evaluation before it is refused."""
-    import os
+    overwrite the run's evaluation before it is refused. A resume of a run stopped before its first checkpoint
+    starts over from step 0 (`check_run_folder`); a resume whose evaluation records are damaged sets them aside
+    before training and writes them again (`evaluation_record_problems`), so `policy/` is always exported."""
+    import dataclasses
 
     from marlhf_edu.ppo.run_files import RunLock, check_run_folder
 
@@ -242,18 +291,33 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     prompts, judge = check_before_loading(config, backend_factory)
     with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
         checked = check_run_folder(config)
-        return _run(config, backend_factory, progress, checked, prompts, judge)
+        start_over = config.resume and checked is None  # stopped before its first checkpoint: nothing to resume
+        if start_over:  # a fresh run from here on, once rank 0 has set the stopped run's records aside
+            config = dataclasses.replace(config, resume=False, resume_overrides=[])
+        # every rank looks now, before any rank joins the run and rank 0 moves a damaged record aside
+        damaged = (evaluation_record_problems(pathlib.Path(config.output_dir)) if config.resume and config.eval_repeats
+                   else {})
+        return _run(config, backend_factory, progress, checked, prompts, judge, start_over, damaged)
 
 
-def _run(config, backend_factory, progress: bool, checked, prompts: list[str], judge=None) -> dict:
+def _run(config, backend_factory, progress: bool, checked, prompts: list[str], judge=None, start_over=False,
+         damaged=None) -> dict:
     import torch
 
     from marlhf_edu.ppo import FourModelBackend, PPOTrainer
     from marlhf_edu.ppo.distributed import DataParallel
+    from marlhf_edu.ppo.run_files import set_aside_stopped_run
 
     # launched by `accelerate launch` on several processes: join the run before loading anything (chapter 14)
     dp = DataParallel.from_environment(config.resolved_device)
     config.validate_data_parallel(dp.world_size)
+    out = pathlib.Path(config.output_dir)
+    if start_over or damaged:  # every rank found the same files; rank 0 moves them once all have looked
+        dp.barrier()
+        if dp.is_main and start_over:
+            set_aside_stopped_run(out)
+        if dp.is_main and damaged:
+            set_aside_evaluation_records(out, damaged)
     torch.manual_seed(config.seed)
     backend = (backend_factory or FourModelBackend.from_config)(config)
     toy = None
@@ -274,12 +338,12 @@ def _run(config, backend_factory, progress: bool, checked, prompts: list[str], j
                          gold_reward_fn=toy.gold_rewards if toy else None, reward_fn=reward_fn,
                          eval_fn=None if periodic is None else periodic_evaluation(periodic, config))
     trainer.run_folder_checked = checked if config.resume else True  # checked once, before loading (not twice)
-    out = pathlib.Path(config.output_dir)
     world = evaluation_judge(config, backend.tokenizer, toy, judge=judge)
     result = {}
     # every rank evaluates (the same weights and seed give the same answers; nobody idles at a barrier past its
-    # timeout while rank 0 samples), rank 0 alone writes
-    if world is not None and not config.resume:
+    # timeout while rank 0 samples), rank 0 alone writes. A resume whose records were damaged evaluates the policy
+    # before training again: the checkpoint loads in `train`, so the backend still holds the starting weights
+    if world is not None and (not config.resume or damaged):
         result["before"] = evaluate(backend, world, config, out, "before", write=dp.is_main)
     trackers = None
     if config.report_to not in ("none", "", None) and dp.is_main:
