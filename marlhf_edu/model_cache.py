@@ -40,7 +40,11 @@ MANIFEST = "marlhf_manifest.json"
 def cache_dir() -> pathlib.Path:
     """Where converted GGUF models and merged adapters are kept (see the module docstring)."""
     if os.environ.get("MARLHF_EDU_CACHE"):
-        return pathlib.Path(os.environ["MARLHF_EDU_CACHE"])
+        path = pathlib.Path(os.environ["MARLHF_EDU_CACHE"])
+        if path.exists() and not path.is_dir():  # every build would fail later with NotADirectoryError
+            raise ConfigError(f"MARLHF_EDU_CACHE={path} is a file, not a folder; point it at a folder (it is "
+                              "created if missing) or unset it")
+        return path
     home = pathlib.Path.home() / ".cache" / "marlhf_edu"
     try:
         home.mkdir(parents=True, exist_ok=True)
@@ -204,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise ConfigError(f"cache clean: no entry {', '.join(unknown)} in {root} (see `marlhf-edu cache list`)")
     chosen = [e for e in found if not names or e["name"] in names]
+    links = [e for e in chosen if pathlib.Path(e["path"]).is_symlink()]
+    if links:  # the cache builds real folders: a link is someone's own, and rmtree refuses links with a traceback
+        raise ConfigError(f"cache clean: {', '.join(e['path'] for e in links)} is a symbolic link (to "
+                          f"{os.readlink(links[0]['path'])}), not an entry the cache built; remove the link yourself "
+                          "(rm, which leaves its target) and run `cache clean` again; nothing was removed")
     for e in chosen:
         shutil.rmtree(e["path"])
         print(f"removed {e['name']} ({e['bytes'] / 2**20:.1f} MiB)")

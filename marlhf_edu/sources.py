@@ -229,6 +229,8 @@ def resolve_model(ref) -> str:
         return str(materialize_gguf(source.location))
     if source.kind == "adapter":
         return str(materialize_adapter(source.location))
+    if source.kind == "hub":
+        require_offline_copy(source)
     if source.kind == "hub" and source.revision:
         from huggingface_hub import snapshot_download
 
@@ -236,6 +238,24 @@ def resolve_model(ref) -> str:
         return snapshot_download(source.location, revision=source.revision,
                                  allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
     return source.location
+
+
+def require_offline_copy(source: "ModelSource") -> None:
+    """Offline (`HF_HUB_OFFLINE` or `TRANSFORMERS_OFFLINE` set), a hub model must be in the local hub cache: else a
+    `ConfigError` naming it and what to do, where transformers' or huggingface_hub's own error was a traceback."""
+    import os
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    on = ("1", "true", "yes", "on")
+    if not (constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in on
+            or os.environ.get("TRANSFORMERS_OFFLINE", "").lower() in on):
+        return
+    if isinstance(try_to_load_from_cache(source.location, "config.json", revision=source.revision), str):
+        return
+    raise ConfigError(f"model {source.ref!r}: the hub is off (HF_HUB_OFFLINE) and the local hub cache "
+                      f"({constants.HF_HUB_CACHE}) does not hold it; download it where the hub is reachable "
+                      f"(huggingface-cli download {source.location}), or unset HF_HUB_OFFLINE")
 
 
 _GGUF_DIGESTS: dict[tuple, str] = {}

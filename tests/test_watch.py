@@ -113,3 +113,20 @@ def test_held_out_falls_ignores_a_rise_inside_the_noise():
     assert rules(run(**noisy), held_out=falling) == []  # +0.12 against a spread of 1.6
     clear = {"score/mean": lambda t: 1.3 + (1.4 if t > 15 else 0.0), "score/std": lambda t: 1.6}
     assert rules(run(**clear), held_out=falling) == ["held_out_falls"]
+
+
+def test_a_metrics_line_without_a_step_names_the_file_and_line(tmp_path):
+    """Reliability audit: `check_folder` and `read_held_out` read `r["step"]` unchecked, so a metrics line without a
+    step was a KeyError; they read through `read_jsonl(..., key="step")`, whose error names the file and the line."""
+    import json
+
+    from marlhf_edu.errors import DataFileError
+    from marlhf_edu.ppo.watch import check_folder, read_held_out
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "score/mean": 0.5}) + "\n"
+                                            + json.dumps({"score/mean": 0.6}) + "\n" + json.dumps({"step": 3}) + "\n")
+    with pytest.raises(DataFileError, match=r"metrics\.jsonl, line 2: .*'step'"):
+        check_folder(tmp_path)
+    (tmp_path / "eval.json").write_text(json.dumps({"before": {"reward_model_score": 0.1}}))
+    with pytest.raises(DataFileError, match=r"metrics\.jsonl, line 2: .*'step'"):
+        read_held_out(tmp_path)

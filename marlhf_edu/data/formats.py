@@ -294,15 +294,15 @@ def read_json_rows(path: str) -> list[dict]:
     file = pathlib.Path(path)
     if not file.is_file():
         raise DataFileError(f"no such data file: {path}")
-    text = file.read_text()
+    text = read_utf8(file)
     if path.endswith(".json") and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except ValueError as err:
             raise DataFileError(f"{path}: not valid JSON ({err})") from None
-        where = "row"
+        where, numbers = "row", range(1, len(rows) + 1) if isinstance(rows, list) else []
     else:
-        rows, where = [], "line"
+        rows, where, numbers = [], "line", []
         for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -311,13 +311,28 @@ def read_json_rows(path: str) -> list[dict]:
             except ValueError as err:
                 raise DataFileError(f"{path}, line {i}: not a JSON object ({err.msg}); each line must hold one "
                                   "row") from None
+            numbers.append(i)  # the file's own line number: blank lines are not rows, but they are lines
     if not rows:
         raise DataFileError(f"{path}: the file holds no rows")
-    for i, row in enumerate(rows, 1):
+    for i, row in zip(numbers, rows):
         if not isinstance(row, dict):
             raise DataFileError(f"{path}, {where} {i}: expected an object with named fields, got "
                               f"{type(row).__name__}")
     return rows
+
+
+def read_utf8(path) -> str:
+    """The text of `path`, which must be UTF-8. A bad byte is a `DataFileError` naming the file, the line and the
+    byte's offset, where Python's `UnicodeDecodeError` named neither file nor line."""
+    import pathlib
+
+    data = pathlib.Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise DataFileError(f"{path}, line {line}: not UTF-8 text (byte {data[err.start]:#04x} at offset "
+                            f"{err.start}); save the file as UTF-8") from None
 
 
 def _convert(source, fmt: str, table: dict, split: str, skip_bad_rows: bool, system: str | None, kind: str,

@@ -279,6 +279,10 @@ class RunLock:
             return self
         import fcntl
 
+        # what this launch creates, so that one refused under the lock (a resume with changed settings) takes it away
+        # again on its way out: a refused launch leaves nothing behind, not even an empty folder and its lock
+        self.made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
+        self.made_lock = not self.path.exists()
         try:  # also the run's first write: a folder it cannot write is found now, not at the first checkpoint
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -303,3 +307,11 @@ class RunLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+            if exc[0] is not None:  # refused or failed: remove the lock and the folders this launch made, if empty
+                if self.made_lock:
+                    self.path.unlink(missing_ok=True)
+                for folder in self.made:  # deepest first; one holding anything stops it
+                    try:
+                        folder.rmdir()
+                    except OSError:
+                        break

@@ -72,7 +72,8 @@ def read_held_out(run_dir) -> list[dict]:
     if not (run_dir / "eval.json").exists():
         return []
     evals = json.loads((run_dir / "eval.json").read_text())
-    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    # key="step": a line without a whole-number step is refused naming the file and line, not a KeyError here
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl", key="step")]
     samples = read_jsonl(run_dir / "eval_samples.jsonl") if (run_dir / "eval_samples.jsonl").exists() else []
     out = []
     for when, updates in (("before", 0), ("after", steps[-1] if steps else 0)):
@@ -107,7 +108,7 @@ def check_folder(run_dir, **thresholds) -> list[Finding]:
     from marlhf_edu.ppo.run_files import read_jsonl
 
     run_dir = pathlib.Path(run_dir)
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = read_jsonl(run_dir / "metrics.jsonl", key="step")  # the findings name each record's step
     return check_run(records, held_out=read_held_out(run_dir), **thresholds)
 
 

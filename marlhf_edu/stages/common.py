@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ class DataArguments:
 #: The stages' counts and limits that must not be negative (`max_rows: -3` kept all but the last three prompts).
 NON_NEGATIVE = ("max_rows", "max_tokens", "eval_pairs", "refusal_pairs", "evasion_pairs", "eval_repeats",
                 "max_prompt_length", "missing_eos_penalty")
+#: The trl stages' optimizer settings that must be > 0 (AdamW with a negative learning rate climbs the loss).
+POSITIVE = ("learning_rate", "adam_epsilon")
 
 
 def parse_stage_args(dataclass_types, argv: list[str] | None):
@@ -52,15 +55,12 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
         if at >= len(argv) or argv[at].startswith("--"):
             raise ConfigError("--config needs a YAML file after it")
         path = argv[at]
-        if not os.path.exists(path):
-            raise ConfigError(f"config file not found: {path}")
-        with open(path) as f:
-            try:
-                content = yaml.safe_load(f) or {}
-            except yaml.YAMLError as err:
-                raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}"
-                                  + (f", line {err.problem_mark.line + 1}" if getattr(err, "problem_mark", None) else "")
-                                  + ")") from None
+        try:
+            content = yaml.safe_load(config_text(path)) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}"
+                              + (f", line {err.problem_mark.line + 1}" if getattr(err, "problem_mark", None) else "")
+                              + ")") from None
         if not isinstance(content, dict):
             raise ConfigError(f"{path}: the config must be a YAML mapping of key: value")
         unknown = [k for k in content if k not in known and k != "env"]
@@ -86,6 +86,15 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
             raise
         raise ConfigError(f"invalid configuration: {err}") from None
     for args in parsed:
+        # argparse reads `--learning_rate nan` with float(), past the YAML check above; and transformers checks no
+        # optimizer setting, so a NaN or negative one failed (or trained nothing) only after the model had loaded
+        for name, value in vars(args).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
+        for name in POSITIVE:
+            value = getattr(args, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
         for name in NON_NEGATIVE:  # counts and limits where a negative number would silently mean something else
             value = getattr(args, name, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
@@ -96,6 +105,27 @@ def parse_stage_args(dataclass_types, argv: list[str] | None):
             raise ConfigError(f"num_train_epochs={epochs} and max_steps={steps}: nothing would be trained; "
                               "set num_train_epochs > 0 (or max_steps > 0)")
     return parsed
+
+
+def config_text(path: str, what: str = "config file") -> str:
+    """The text of a YAML config file, or a `ConfigError` naming it: missing, a folder (`--config configs/`), not
+    readable, or not UTF-8 (the line of the bad byte). Python's own errors (`IsADirectoryError`,
+    `UnicodeDecodeError`) were tracebacks that named neither the option nor the line."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{what} not found: {path}")
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {path} is a folder; --config takes a YAML file in it (see `ls {path}`)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as err:
+        raise ConfigError(f"{what} {path} cannot be read ({err.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}, line {line}: not UTF-8 text (byte {data[err.start]:#04x}); save the {what} "
+                          "as UTF-8") from None
 
 
 def _field_types(dataclass_types) -> dict:
@@ -388,7 +418,7 @@ def check_output_dir(stage: str, script_args, training_args) -> None:
 def run_trl_stage(stage: str, run, script_args, training_args, model_args):
     """What the command of a trl stage (sft, rm, dpo, grpo) does around `run(script_args, training_args,
     model_args)`: check the output folder first (`check_output_dir`: a launch refused for its folder writes
-    nothing; one refused by `run`'s own checks leaves only the lock file), then hold its lock for the whole run
+    nothing; one refused by `run`'s own checks takes away the lock and folder it made), then hold its lock for the whole run
     (`RunLock`, rank 0), so that a second launch into it is refused instead of interleaving with it; with
     `overwrite_output` and no resume, the replaced run's outputs are removed first (`remove_run_outputs`: its
     model, adapter, tokenizer, marker and `checkpoint-N` folders, by name), so that neither a later load reads the

@@ -45,6 +45,10 @@ STAGES = {
     "ma-ppo": ("marlhf_edu.stages.ma_ppo", "ppo"),
 }
 MARKER = "pipeline_stage.json"
+#: Written into a trl stage's output_dir when the pipeline starts it: the folder is the pipeline's own from then on,
+#: so a run killed after saving its model but before `MARKER` is restarted (`--overwrite_output`), while a folder
+#: holding another finished model, which the pipeline never started, is refused (`foreign_run`).
+STARTED = "pipeline_stage.started"
 
 
 def _config_types(kind: str):
@@ -131,11 +135,10 @@ def load_pipeline(path: str, cli: list[str]) -> tuple[list[Stage], list[str]]:
     command-line options."""
     import yaml
 
+    from marlhf_edu.stages.common import config_text
 
-    if not os.path.exists(path):
-        raise ConfigError(f"pipeline file not found: {path}")
     try:
-        spec = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+        spec = yaml.safe_load(config_text(path, "pipeline file")) or {}
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         raise ConfigError(f"{path}{f', line {where.line + 1}' if where else ''}: not valid YAML "
@@ -233,6 +236,10 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
         if (blocked := unwritable_folder(out)) is not None:
             raise ConfigError(f"pipeline: {stage.name}'s output_dir {out} cannot be written ({blocked} is not a "
                               "writable folder); nothing was run")
+        if stage.kind != "ppo" and (found := foreign_run(out)):
+            raise ConfigError(f"pipeline: {stage.name}'s output_dir {out} holds a finished run the pipeline did not "
+                              f"start ({found}, and no {MARKER} or {STARTED}); choose another output_dir "
+                              f"(--{stage.name}.output_dir DIR) or remove {out} yourself; nothing was run")
         check_stage_data(stage.name, parsed[stage.name])  # a later stage's data file, read now, not after SFT
     main_rank = int(os.environ.get("RANK", "0")) == 0
     wired = {}  # stage name → the models of earlier stages it loads (an SFT adapter is merged into its base first)
@@ -258,8 +265,12 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
                                                if resume else "starts") + f" -> {out}")
         start = time.perf_counter()
         # a trl stage the pipeline starts again (no marker, no checkpoint) may hold the files of a run killed after
-        # saving; it is the pipeline's own folder, so it is replaced rather than refused
+        # saving; `foreign_run` above let it through only as the pipeline's own folder (its STARTED file, or no
+        # finished model), so it is replaced rather than refused
         fresh = ["--overwrite_output", "true"] if stage.kind != "ppo" and not resume else []
+        if stage.kind != "ppo" and main_rank:  # claimed before the stage writes anything of its own
+            out.mkdir(parents=True, exist_ok=True)
+            (out / STARTED).write_text(json.dumps({"stage": stage.name, "config": stage.config}) + "\n")
         argv = ["--config", stage.config, *stage.argv, *resume, *fresh]
         module = importlib.import_module(stage.module)
         with fp32_products_where_needed():  # a CPU without bf16 kernels: the recipe's bf16 products, computed in fp32
@@ -275,24 +286,66 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
     return records
 
 
+def foreign_run(out: pathlib.Path) -> str | None:
+    """The first finished-run file (`FINISHED_RUN_FILES`: a model, an adapter, its metrics) in a trl stage's
+    output folder that the pipeline cannot tell is its own, or None. Its own: the folder holds `STARTED` (the
+    pipeline began this stage there) or `checkpoint-N` folders (resumed, never replaced). The pipeline passes
+    `--overwrite_output` to the stages it restarts, which bypassed the refusal a stage gives alone: a folder
+    holding another model, named by mistake, was overwritten."""
+    from marlhf_edu.stages.common import FINISHED_RUN_FILES
+
+    if (out / STARTED).exists() or any(out.glob("checkpoint-*")):
+        return None
+    return next((name for name in FINISHED_RUN_FILES if (out / name).exists()), None)
+
+
 #: The settings through which a stage reads data files of its own (not written by an earlier stage).
 DATA_KEYS = ("dataset_name", "extra_pairs_file", "extra_rows_file")
 
 
 def check_stage_data(name: str, parsed) -> None:
-    """Read each local data file a stage will read (`.jsonl`, `.json`, `.parquet` under `DATA_KEYS`) before the
-    pipeline runs anything: a missing or malformed prompt file of the PPO stage is found now, not after the SFT
-    and reward-model stages have trained (hours at 7B). Hub datasets and the shipped ones are read by the stage."""
-    from marlhf_edu.data.formats import DataFileError, read_rows
+    """Read each local data file a stage will read (`.jsonl`, `.json`, `.parquet` under `DATA_KEYS`) and convert
+    its rows as the stage will (`stage_rows`), before the pipeline runs anything: a missing file, or one whose rows
+    have the wrong keys (a reward-model file in another format), is found now, not after the SFT and reward-model
+    stages have trained (hours at 7B). Hub datasets and the shipped ones are read by the stage."""
+    from marlhf_edu.errors import BadRowError, DataFileError
 
     for args in parsed:
         for key in DATA_KEYS:
             value = getattr(args, key, "")
             if isinstance(value, str) and value.endswith((".jsonl", ".json", ".parquet")):
                 try:
-                    read_rows(value, "train")
-                except DataFileError as err:
+                    stage_rows(args, key, value)
+                except (DataFileError, BadRowError, ConfigError) as err:
                     raise ConfigError(f"pipeline: {name}.{key}: {err}; nothing was run") from None
+
+
+def stage_rows(args, key: str, path: str) -> None:
+    """Convert the rows of `path` (the stage's setting `key`) with the converter the stage uses on them: its
+    `dataset_format` for `dataset_name` (preference pairs for the reward model, `{prompt, completion}` for SFT,
+    prompts for PPO), trl's pair format for `extra_pairs_file`, prompt-completion for `extra_rows_file`. The book's
+    template renders them (the stage may use the tokenizer's): the keys and values are checked, not the text."""
+    import copy
+    import warnings
+
+    from marlhf_edu.data.formats import load_preferences, load_sft
+
+    with warnings.catch_warnings():  # rows skip_bad_rows skips are reported by the stage, when it reads them
+        warnings.simplefilter("ignore")
+        if key == "extra_pairs_file":
+            load_preferences(path, "trl")
+        elif key == "extra_rows_file":
+            load_sft(path, "prompt-completion")
+        elif hasattr(args, "total_steps"):  # a PPO config: its prompts (without the tokenizer's length filter)
+            from marlhf_edu.stages.ppo import load_prompts
+
+            config = copy.copy(args)
+            config.drop_long_prompts, config.max_prompts, config.helpful_prompt_share = False, 0, 0.0
+            load_prompts(config)
+        elif hasattr(args, "extra_pairs_file"):  # the reward model's script arguments
+            load_preferences(path, args.dataset_format, split=args.dataset_split, skip_bad_rows=args.skip_bad_rows)
+        else:
+            load_sft(path, args.dataset_format, split=args.dataset_split, skip_bad_rows=args.skip_bad_rows)
 
 
 def synchronize() -> None:
