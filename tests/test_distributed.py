@@ -106,6 +106,25 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(two_rank_run, tmp_
     assert (two_rank_run / "policy" / "adapter_config.json").exists()
 
 
+def test_the_engine_guides_two_process_command_runs_as_written(tmp_path):
+    """site/engine.md's CPU data-parallel line, as printed there, for one step (a free port, the step count and an
+    output folder added): a documented command that the config refuses would fail here, as the guide's line did
+    (`mini_batch_size (16) ... whole micro-batches of micro_batch_size (16)`)."""
+    import re
+    import shlex
+
+    guide = (ROOT / "site" / "engine.md").read_text()
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", guide, re.S)
+             for line in block.replace("\\\n", " ").splitlines() if "cpu_2proc.yaml" in line and "ma-ppo" in line]
+    assert len(lines) == 1, lines
+    cmd = shlex.split(lines[0])
+    assert cmd[:4] == ["accelerate", "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml"]
+    cmd = [str(ACCELERATE), *cmd[1:4], "--main_process_port", str(_free_port()), *cmd[4:],
+           "--total_steps", "1", "--eval_repeats", "0", "--output_dir", str(tmp_path / "run")]
+    _run(cmd, timeout=600)
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
 def test_four_model_full_fine_tuning_on_two_ranks_equals_one_process(tmp_path):
     """The other engine: four models, every weight of the actor and the separate critic trained (no LoRA)."""
     shape = ["--config", "configs/tiny_ppo.yaml", *SHAPE[2:], "--total_steps", "1", "--save_steps", "1"]

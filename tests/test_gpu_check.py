@@ -21,7 +21,8 @@ def record(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("gpu_check")
     out = tmp / "record.json"
-    gpu_check.main(["ppo", "ppo_merged", "sampling", "stages", "pipeline", "--device", "cpu", "--reduced", "--rows", "64",
+    gpu_check.main(["ppo", "ppo_merged", "ppo_fast", "sampling", "stages", "pipeline", "--device", "cpu", "--reduced",
+                    "--rows", "64",
                     "--work", str(tmp / "work"), "--out", str(out)])
     return json.loads(out.read_text())
 
@@ -34,7 +35,7 @@ ROUNDING_CHECKS = {"bf16 merged copy keeps >= 90 % of the policy's move"}
 
 
 def test_every_part_runs_and_passes_its_checks(record):
-    for part in ("ppo", "ppo_merged", "sampling", "stages", "pipeline"):
+    for part in ("ppo", "ppo_merged", "ppo_fast", "sampling", "stages", "pipeline"):
         assert "error" not in record[part], record[part].get("traceback")
         checks = {k: v for k, v in record[part]["checks"].items() if k not in ROUNDING_CHECKS}
         assert all(ok in (True, None) for ok in checks.values()), (part, record[part]["checks"])
@@ -61,6 +62,21 @@ def test_the_merged_part_plans_and_runs_the_dense_copy(record):
     assert merged["first_minibatch"]["policy/ratio_mean"] == 1.0
     # on CPU there is no device memory to read: recorded as unknown, not as 0
     assert merged["phase_memory"] == {} and merged["memory_peak"]["outside_allocator_gib"] is None
+
+
+def test_the_fast_part_runs_the_static_cache_at_the_planned_micro_batch(record):
+    """ppo_fast: the merged copy with a static KV cache and TIS, at the micro-batch preflight picks (the whole
+    minibatch of 2 fits the nominal 80 GiB at this reduced shape); per-step log-prob gaps and TIS weights; the
+    compiled-vs-eager comparison (nothing is compiled on a CPU: exactly 0); the step target is a GPU check."""
+    fast = record["ppo_fast"]
+    assert fast["merged_rollout"] is True and fast["rollout_cache"] == "static"
+    assert fast["micro_batch_size"] == 2 and fast["overrides"][-2:] == ["--micro_batch_size", "2"]
+    assert len(fast["logprob_gap"]) == fast["steps"] == 3 and all(0 <= g < 1e-2 for g in fast["logprob_gap"])
+    assert all(abs(w - 1) < 1e-2 for w in fast["tis_weight_mean"])
+    assert fast["compiled_vs_eager"]["tokens"] > 0 and fast["compiled_vs_eager"]["max_abs"] == 0.0
+    later = fast["seconds"]["time/step_s"][1:]  # two steps after the first: their mean is the median
+    assert fast["median_step_after_first_s"] == pytest.approx(sum(later) / 2)
+    assert fast["checks"]["step <= 10 s (median after the first)"] is None  # a GPU's check
 
 
 def test_a_part_leaves_no_model_alive_for_the_next(tmp_path, monkeypatch):
@@ -123,6 +139,20 @@ def test_the_committed_gpu_record_is_whole():
         "max_reserved_gib"] / 1.5
     assert {s: gpu["stages_sft_rm"]["stages"][s]["saved_trainable_dtypes"] for s in ("sft", "rm")} == {
         "sft": ["F32"], "rm": ["F32"]}  # item 5 on the GPU: adapters (and the score head) trained and saved in fp32
+
+
+def test_the_committed_fast_launch_record_meets_the_step_target():
+    """The fast launch on the H100: every check true (the 10 s step among them), at the micro-batch preflight picks
+    for 80 GB, sampled from the static-cache copy; the baseline from the same call samples without it and is slower;
+    the H200 record of the same call is a record of its own machine."""
+    gpu = json.loads((ROOT / "benchmarks" / "gpu_check.json").read_text())
+    fast, plain = gpu["ppo_fast"], gpu["ppo_merged_beside_fast"]
+    assert fast["machine"]["gpu"] == plain["machine"]["gpu"] == "NVIDIA H100 80GB HBM3"
+    assert fast["rollout_cache"] == "static" and fast["micro_batch_size"] == 4 and fast["steps"] == 5
+    assert all(fast["checks"].values()) and fast["median_step_after_first_s"] <= 10.0
+    assert plain["rollout_cache"] == "dynamic" and min(plain["seconds"]["time/step_s"][1:]) > 10.0
+    h200 = json.loads((ROOT / "benchmarks" / "gpu_check_h200.json").read_text())
+    assert h200["machine"]["gpu"] == "NVIDIA H200" and all(h200["ppo_fast"]["checks"].values())
 
 
 def test_a_record_from_another_machine_is_not_merged(tmp_path):

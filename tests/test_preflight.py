@@ -119,8 +119,7 @@ def test_preflight_picks_the_largest_micro_batch_that_fits(capsys):
     assert picked == {8.0: 1, 8.3: 2, 80: 4}
     text = capsys.readouterr().out
     assert "micro_batch_size: 1, the largest that divides the minibatch and fits" in text
-    assert "micro_batch_size: 4 would fit too (ma-ppo needs 8.05 GiB)" in text
-    assert "pass --micro_batch_size 4 to plan and launch with it" in text
+    assert "micro_batch_size: up to 4 fits (8.05 GiB), the config has 1: pass --micro_batch_size 4" in text
     # only divisors of the minibatch: a 3-row micro-batch would leave a remainder
     need = type("Need", (), {})
 
@@ -132,3 +131,20 @@ def test_preflight_picks_the_largest_micro_batch_that_fits(capsys):
     assert preflight_module.largest_micro_batch(plan, 6, usable=35)[0] == 3
     assert preflight_module.largest_micro_batch(plan, 4, usable=35)[0] == 2
     assert preflight_module.largest_micro_batch(plan, 4, usable=5)[0] == 1  # nothing fits: 1, and preflight fails
+
+
+def test_preflight_prints_the_fast_launch_where_it_fits(capsys):
+    """The fast sampler (merged copy, compiled static cache, TIS) at the largest micro-batch, planned with the slack
+    its CUDA graphs' pool took on an H100 (2.7 GiB, `COMPILED_SAMPLER`): printed for a 40 or 80 GB card, not for a
+    24 GB one, and launched under the default allocator it was measured with."""
+    from marlhf_edu.memory.preflight import FAST_SAMPLER
+
+    out = main(SEVEN_B + ["--gpu_memory_gib", "80"])
+    fast = [line for line in capsys.readouterr().out.splitlines() if line.startswith("launch, fast:")]
+    assert out["fast_launch"] == [*FAST_SAMPLER, "--micro_batch_size", "4"]
+    assert fast == ["launch, fast: marlhf-edu ma-ppo --config configs/llama2_7b/ma_ppo.yaml --merged_rollout true "
+                    "--rollout_cache static --tis_cap 2.0 --micro_batch_size 4"]
+    assert main(SEVEN_B + ["--gpu_memory_gib", "24"])["fast_launch"] is None  # 23.2 GiB needed, 22.8 usable
+    assert "launch, fast:" not in capsys.readouterr().out
+    # a run that already samples so is not offered it again
+    assert main(SEVEN_B + ["--gpu_memory_gib", "80", *FAST_SAMPLER])["fast_launch"] is None

@@ -1,10 +1,13 @@
 """The check to run on a new GPU before spending hours on the 7B recipe (issue 34). Not part of `make test`.
 
-    python tools/gpu_check.py ppo          # (a) 3 MA-PPO steps of configs/llama2_7b/ma_ppo.yaml at full shape
-    python tools/gpu_check.py ppo_merged   # (a) the same with merged_rollout: true
+    python tools/gpu_check.py ppo          # (a) 3 MA-PPO steps of configs/llama2_7b/ma_ppo.yaml at full shape,
+                                           #     sampled through the adapter at micro-batch 1 (MA-RLHF's way)
+    python tools/gpu_check.py ppo_merged   # (a) the same sampled from a merged copy (dynamic KV cache, no TIS)
     python tools/gpu_check.py sampling     # (b) the merged sampler against the training path; speed; micro-batch
     python tools/gpu_check.py stages       # (c) SFT, the merge, RM, MA-PPO at full shape, each in its own process
     python tools/gpu_check.py pipeline     # (d) the same stages in one process, as `marlhf-edu pipeline` runs them
+    python tools/gpu_check.py ppo_fast     # (e) the fast launch preflight prints: merged copy, static KV cache,
+                                           #     compiled decode, TIS, the micro-batch that fits; the 10 s target
     python tools/gpu_check.py ppo ppo_merged sampling stages pipeline --out my_gpu.json
 
 Offline: the model is a random Llama with Llama-2-7B's full shape (32 layers, 4096 wide, 32,000 tokens), saved
@@ -35,6 +38,10 @@ record; a record from another machine is started afresh, not merged), each measu
     dtypes of the SFT and RM adapters as saved, the merge's seconds, RAM and disk, and the run's disk
     (`--stages` runs some of them).
 (d) `pipeline`: the same stages in one process: GPU memory still allocated when each stage starts.
+(e) `ppo_fast`: (a)'s measurements for the fast launch `marlhf-edu preflight` prints when it fits (merged copy,
+    `rollout_cache: static`, `tis_cap: 2`, the largest micro-batch that fits the GPU); per step the sampler's
+    log-prob gap and mean TIS weight; the compiled decode step's log-probs against an eager forward of the same
+    copy on the same tokens; the median step after the first (the first compiles) against 10 s.
 
 `--reduced` runs the same code on a tiny model of the same family (2 layers, width 128) so that the test suite
 runs all four parts on CPU (tests/test_gpu_check.py); its numbers check the tool, not a GPU. Documented in
@@ -268,15 +275,23 @@ def new_trainer(config):
 
 # ---- (a) three MA-PPO steps ------------------------------------------------------------------------------------
 
-def part_ppo(args, built, merged_rollout: bool = False) -> dict:
+def part_ppo(args, built, merged_rollout: bool = False, fast: bool = False) -> dict:
     import torch
 
     from marlhf_edu.memory.check import plan_for
+    from marlhf_edu.memory.preflight import FAST_SAMPLER
 
     shape = shape_for(args)
-    name = "ppo_merged" if merged_rollout else "ppo"
-    config = ppo_config(args, built, name, ["--total_steps", str(args.steps), "--merged_rollout",
-                                            str(merged_rollout).lower()])
+    name = "ppo_fast" if fast else "ppo_merged" if merged_rollout else "ppo"
+    extra = ["--total_steps", str(args.steps)]
+    micro = None
+    FAST = list(FAST_SAMPLER)
+    if fast:  # the fast launch preflight prints: the fast sampler, at the micro-batch that fits this device
+        micro = planned_micro_batch(args, built, ppo_config(args, built, name, extra + FAST))
+        extra += FAST + ["--micro_batch_size", str(micro)]
+    else:  # the config's micro-batch of 1 (MA-RLHF's), sampling through the adapter or from a plain merged copy
+        extra += MERGED if merged_rollout else ADAPTER
+    config = ppo_config(args, built, name, extra)
     reset_peak(args.device)
     start = time.perf_counter()
     trainer = new_trainer(config)
@@ -322,7 +337,8 @@ def part_ppo(args, built, merged_rollout: bool = False) -> dict:
               "decoder_layer_output": seen.get("layer_output"),
               "trainable": sorted({str(p.dtype) for g in trainer.optimizer.param_groups for p in g["params"]})}
     phases = {k: [round(r[k], 2) for r in records] for k in records[0] if k.startswith("time/")}
-    out = {"config": "configs/llama2_7b/ma_ppo.yaml", "merged_rollout": merged_rollout, "steps": config.total_steps,
+    out = {"config": "configs/llama2_7b/ma_ppo.yaml", "merged_rollout": config.merged_rollout,
+           "rollout_cache": config.rollout_cache, "steps": config.total_steps,
            "load_s": round(load_s, 1), "memory_after_load": loaded, "memory_peak": peak,
            "phase_memory": trainer.timer.phases,
            "planned": {"model_state_gib": gib(plan.model_state), "peak_gib": gib(plan.peak),
@@ -340,6 +356,18 @@ def part_ppo(args, built, merged_rollout: bool = False) -> dict:
     if peak["max_allocated_gib"] is not None:
         checks[f"peak allocated within {PEAK_TOLERANCE:.0%} of plan"] = (
             abs(peak["max_allocated_gib"] - out["planned"]["peak_gib"]) <= PEAK_TOLERANCE * out["planned"]["peak_gib"])
+    if fast:
+        steps = out["seconds"]["time/step_s"]
+        later = sorted(steps[1:]) or steps
+        out["overrides"] = FAST + ["--micro_batch_size", str(micro)]
+        out["micro_batch_size"] = micro
+        out["median_step_after_first_s"] = later[len(later) // 2] if len(later) % 2 else (
+            (later[len(later) // 2 - 1] + later[len(later) // 2]) / 2)
+        out["logprob_gap"] = [round(r.get("rollout/logprob_gap", float("nan")), 4) for r in records]
+        out["tis_weight_mean"] = [round(r.get("rollout/tis_weight_mean", float("nan")), 4) for r in records]
+        out["compiled_vs_eager"] = compiled_vs_eager(trainer, args)
+        checks[f"step <= {STEP_TARGET_S:.0f} s (median after the first)"] = (
+            out["median_step_after_first_s"] <= STEP_TARGET_S if cuda(args.device) else None)
     out["checks"] = checks
     trainer.optimizer.step = real_step  # counting_step's closure and the backend's hooks make reference cycles:
     del trainer, base, named, kinds, counting_step  # main() collects them before the next part measures anything
@@ -391,7 +419,7 @@ def part_sampling(args, built) -> dict:
     from marlhf_edu.ppo.backends import sequence_logprobs
     from marlhf_edu.ppo.merged_rollout import MergedPolicy
 
-    config = ppo_config(args, built, "sampling", ["--total_steps", "1"])
+    config = ppo_config(args, built, "sampling", ["--total_steps", "1", *ADAPTER])
     trainer = new_trainer(config)
     backend = trainer.backend
     reached = perturb_policy(backend.model, PERTURBATION_RMS)
@@ -682,8 +710,74 @@ def part_ppo_merged(args, built) -> dict:
     return part_ppo(args, built, merged_rollout=True)
 
 
-PARTS = {"ppo": part_ppo, "ppo_merged": part_ppo_merged, "sampling": part_sampling, "stages": part_stages,
-         "pipeline": part_pipeline}
+#: how each part samples, whatever the config file says: through the adapter on the NF4 base (`ppo`, `sampling`) and
+#: from a merged copy with a dynamic KV cache and no TIS (`ppo_merged`); `ppo_fast` samples as the fast launch that
+#: `marlhf-edu preflight` prints (`FAST_SAMPLER` there)
+ADAPTER = ["--merged_rollout", "false", "--rollout_cache", "dynamic", "--tis_cap", "0"]
+MERGED = ["--merged_rollout", "true", "--rollout_cache", "dynamic", "--tis_cap", "0"]
+#: issue 61's target for the 7B config's step on one H100 (median after the first step)
+STEP_TARGET_S = 10.0
+
+
+def planned_micro_batch(args, built, config) -> int:
+    """The micro-batch `marlhf-edu preflight` picks for this device (`largest_micro_batch`): the largest that
+    divides the minibatch and whose planned PPO stage fits in the GPU's memory with preflight's 5 % headroom (on a
+    CPU, a nominal 80 GiB)."""
+    import torch
+
+    from marlhf_edu.memory.device import ppo_need
+    from marlhf_edu.memory.plan import MemorySettings, multi_adapter_settings, plan_multi_adapter, saved_lora_recipe
+    from marlhf_edu.memory.preflight import PreflightArguments, largest_micro_batch
+
+    reward_r, reward_targets = saved_lora_recipe(built["reward"])
+    s = MemorySettings.from_ppo_config(config, reward_lora_r=reward_r, reward_targets=reward_targets,
+                                       weight_dtype="bfloat16" if cuda(args.device) else "float32")
+    total = torch.cuda.get_device_properties(0).total_memory if cuda(args.device) else 80 * 2**30
+    usable = total * (1 - PreflightArguments.headroom)
+    micro, _ = largest_micro_batch(lambda m: ppo_need(plan_multi_adapter(shape_for(args), multi_adapter_settings(
+        replace(s, micro_batch_size=m)))), config.mini_batch_size, usable)
+    return micro
+
+
+def compiled_vs_eager(trainer, args) -> dict:
+    """How far the compiled static-cache decode step's log-probs are from the same copy's eager forward: the
+    copy samples a batch with its logits returned (the compiled graphs on CUDA), and the same tokens are scored by
+    one plain forward of the same weights. Mean and max |difference| per response token (before EOS)."""
+    import torch
+
+    from marlhf_edu.ppo.backends import sequence_logprobs
+    from marlhf_edu.ppo.trainer import response_mask_from_ids
+
+    cfg, tok = trainer.config, trainer.tokenizer
+    model = trainer.backend.sampling_model()
+    enc = tok(trainer.batch_prompts(0), return_tensors="pt", padding="max_length", max_length=cfg.max_prompt_length,
+              padding_side="left").to(trainer.backend.device)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0,
+                             max_new_tokens=cfg.max_new_tokens, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_logits=True)
+        ids = out.sequences
+        R = ids.shape[1] - enc["input_ids"].shape[1]
+        response = ids[:, -R:]
+        mask = response_mask_from_ids(response, tok.eos_token_id)
+        compiled = torch.log_softmax(torch.stack(out.logits, 1).float() / cfg.temperature, -1)
+        compiled = compiled.gather(-1, response[..., None])[..., 0]
+        attention = torch.cat([enc["attention_mask"], mask.long()], 1)
+        eager = sequence_logprobs(model, ids, attention, R, cfg.temperature)[0].float()
+    gap = (compiled - eager).abs()[mask]
+    return {"tokens": int(mask.sum()), "mean_abs": round(float(gap.mean()), 5), "max_abs": round(float(gap.max()), 5)}
+
+
+def part_ppo_fast(args, built) -> dict:
+    """(e) the fast launch: the steps of (a) sampled from the merged copy with a static KV cache (on CUDA a
+    compiled decode step), TIS on, at the micro-batch preflight picks for this GPU; the median step after the
+    first against the 10 s target, and the compiled sampler's log-probs against an eager forward."""
+    return part_ppo(args, built, fast=True)
+
+
+PARTS = {"ppo": part_ppo, "ppo_merged": part_ppo_merged, "ppo_fast": part_ppo_fast, "sampling": part_sampling,
+         "stages": part_stages, "pipeline": part_pipeline}
 
 
 def machine(device) -> dict:

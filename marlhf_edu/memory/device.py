@@ -70,6 +70,15 @@ class DeviceAssumptions:
                               "MA-PPO with expandable segments, 0.77-1.00 GiB for SFT and RM")
 
 
+#: The fast sampler's overheads (`preflight.FAST_SAMPLER`): measured under PyTorch's default allocator only, where
+#: the cache reserves more beyond the allocated peak (its CUDA graphs' own memory pool is part of it, not isolated).
+COMPILED_SAMPLER = DeviceAssumptions(
+    cache_slack=int(2.7 * GIB),
+    cache_slack_basis=("reserved beyond allocated at the peak with the compiled static-cache sampler: 2.61 GiB on one "
+                       "H100 and 2.63 on one H200 (19.69 allocated), default allocator (the recipe's run under it: "
+                       "2.5); with expandable segments not measured"))
+
+
 @dataclass
 class StageNeed:
     """One stage's planned GPU memory: what PyTorch allocates at the peak, what its cache reserves, what the

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.memory.command import MemoryArguments
-from marlhf_edu.memory.device import TrlStage, need_table, plan_rm_stage, plan_sft_stage, ppo_need, run_disk
+from marlhf_edu.memory.device import (COMPILED_SAMPLER, TrlStage, need_table, plan_rm_stage, plan_sft_stage, ppo_need,
+                                     run_disk)
 
 
 @dataclass
@@ -199,14 +200,23 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
             print(f"  {what:36s} {_fmt(nbytes):>10s}")
     print(f"GPU: {_fmt(gpu)} ({source}); usable with {args.headroom:.0%} headroom: {_fmt(usable)}")
     print(f"  the largest need, {largest.stage}'s: {_fmt(largest.device)} -> " + ("fits" if fits else "DOES NOT FIT"))
-    micro, micro_need = largest_micro_batch(lambda m: ppo_need(plan_with(s.merged_rollout, m)),
-                                            config.mini_batch_size // args.num_gpus, usable)
-    if micro != s.micro_batch_size:
-        print(f"  micro_batch_size: {micro} would fit too ({micro_need.stage} needs {_fmt(micro_need.device)}), "
-              f"the largest that divides the minibatch; the config has {s.micro_batch_size} "
-              f"(pass --micro_batch_size {micro} to plan and launch with it)")
+    per_rank_mini = config.mini_batch_size // args.num_gpus
+    micro, micro_need = largest_micro_batch(lambda m: ppo_need(plan_with(s.merged_rollout, m)), per_rank_mini, usable)
+    if micro_need.device > usable:
+        print("  micro_batch_size: none fits (see below)")
+    elif micro != s.micro_batch_size:
+        print(f"  micro_batch_size: up to {micro} fits ({_fmt(micro_need.device)}), the config has "
+              f"{s.micro_batch_size}: pass --micro_batch_size {micro}")
     else:
         print(f"  micro_batch_size: {micro}, the largest that divides the minibatch and fits")
+    fast = None
+    if args.command == "ma-ppo" and not (config.merged_rollout and config.rollout_cache == "static"):
+        fast_micro, fast_need = largest_micro_batch(lambda m: ppo_need(plan_with(True, m), COMPILED_SAMPLER),
+                                                    per_rank_mini, usable)
+        if fast_need.device <= usable:  # the fast sampler and the largest micro-batch, when both fit this GPU
+            fast = [*FAST_SAMPLER, "--micro_batch_size", str(fast_micro)]
+            print(f"  the fast launch fits too ({fast_need.stage}: {_fmt(fast_need.device)}): a merged copy "
+                  f"sampling with a compiled static cache, micro-batch {fast_micro} (chapter 15)")
     tokens = config.batch_size * (s.prompt_length + s.response_length)
     print(f"tokens per step: {tokens:,} ({config.batch_size} x ({s.prompt_length} + {s.response_length})), "
           f"{config.total_steps} steps")
@@ -223,12 +233,15 @@ def preflight(config, args: PreflightArguments, config_path: str = "<config>", o
                           "more memory")
     extra = "".join(" " + o for o in overrides)  # the settings given here beside the config: the run planned
     if args.num_gpus == 1:
-        print(f"launch: {ALLOCATOR_ENV} marlhf-edu {args.command} --config {config_path}{extra}")
+        launch = f"{ALLOCATOR_ENV} marlhf-edu {args.command} --config {config_path}{extra}"
     else:
-        print(f"launch: {ALLOCATOR_ENV} accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml "
-              f"--num_processes {args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}{extra}")
+        launch = (f"{ALLOCATOR_ENV} accelerate launch --config_file configs/accelerate/ddp_4gpu.yaml "
+                  f"--num_processes {args.num_gpus} -m marlhf_edu.cli {args.command} --config {config_path}{extra}")
+    print(f"launch: {launch}")
+    if fast:  # measured under the default allocator only (device.COMPILED_SAMPLER): launched without the setting
+        print(f"launch, fast: {launch.replace(ALLOCATOR_ENV + ' ', '')} {' '.join(fast)}")
     return {"plan": plan, "needs": needs, "largest": largest, "disk": disk, "gpu_bytes": gpu, "fits": fits,
-            "tokens_per_step": tokens, "meta_params": n_meta, "micro_batch_size": micro}
+            "tokens_per_step": tokens, "meta_params": n_meta, "micro_batch_size": micro, "fast_launch": fast}
 
 
 def largest_micro_batch(plan_with_micro, mini_batch_per_rank: int, usable: int) -> tuple[int, object]:
@@ -260,10 +273,15 @@ def what_lowers(need, s) -> str:
               "log-probs": "lower forward_batch_size or max_new_tokens (the logits of a forward)",
               "scoring": "lower forward_batch_size",
               "update": ", ".join(update)}[need.peak_phase]
-    merged = "turn merged_rollout off (its dense copy of the model stays allocated), " if s.merged_rollout else ""
+    merged = ("turn merged_rollout off (its dense copy of the model stays allocated; with it rollout_cache: "
+              "dynamic and tis_cap: 0), " if s.merged_rollout else "")
     return merged + advice
 
 
+#: The fast sampler (chapter 15): a dense bf16 copy of the policy sampling with a static KV cache, whose decode step
+#: transformers compiles into CUDA graphs on a GPU, with truncated importance sampling for the copy's rounding.
+#: Preflight prints it as the fast launch, with the largest micro-batch that fits, when the card has the memory.
+FAST_SAMPLER = ("--merged_rollout", "true", "--rollout_cache", "static", "--tis_cap", "2.0")
 #: what the planned cache slack assumes (without it, a merged-rollout run on an H100 reserved 2.07x its peak)
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 

@@ -23,10 +23,11 @@ Cost: one dense copy of the model, parameters × bytes of the compute dtype (`me
 A static KV cache (`cache="static"`, the config's `rollout_cache`) makes the copy sample in fixed shapes: one
 cache of (rows, prompt width + new tokens) per layer allocated up front instead of one that grows each token,
 so on CUDA transformers' `generate` compiles the one-token decode step (`torch.compile`, mode
-"reduce-overhead": CUDA graphs). Decoding 16 answers from a 7B model is a few hundred small kernels per token;
-replayed as one graph, their launch cost disappears. The copy's weights are refreshed in place (`copy_`), so
-a captured graph reads the new weights without being captured again. On a CPU nothing is compiled and the
-static cache gives the dynamic one's tokens (`tests/test_merged_rollout.py`). Taught in chapter 15.
+"reduce-overhead": CUDA graphs). An eager decode step of a 32-layer Llama is about a thousand small operations,
+each launched from Python; replayed as one graph, their launch cost disappears. The copy's weights are refreshed
+in place (`copy_`), so a recorded graph reads the new weights (by design; not checked on a GPU). On a CPU
+nothing is compiled and the static cache gives the dynamic one's tokens (`tests/test_rollout_speedups.py`).
+Taught in chapter 15.
 """
 
 from __future__ import annotations
