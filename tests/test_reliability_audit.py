@@ -125,7 +125,7 @@ def test_a_nan_or_negative_learning_rate_is_refused_before_loading(tmp_path, no_
         main([*base, "--learning_rate", "nan"])
     negative = tmp_path / "negative.yaml"
     negative.write_text(pathlib.Path(config).read_text() + "\nlearning_rate: -1.0e-4\n")
-    with pytest.raises(ConfigError, match=r"learning_rate must be > 0, got -0\.0001"):
+    with pytest.raises(ConfigError, match=r"learning_rate must be >= 0 .*, got -0\.0001"):
         main(["--config", str(negative), "--output_dir", str(tmp_path / "out")])
     with pytest.raises(ConfigError, match="max_grad_norm must be a finite number, got inf"):
         main([*base, "--max_grad_norm", "inf"])

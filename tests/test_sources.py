@@ -277,6 +277,12 @@ def test_a_pinned_hub_revision_downloads_that_revision_as_safetensors(monkeypatc
         return str(tmp_path)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    # the hub reachable (the suite runs with HF_HUB_OFFLINE=1, under which an uncached hub model is refused)
+    from huggingface_hub import constants
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert resolve_model("hf:owner/name@0123abc") == str(tmp_path)
     (repo_id, revision, patterns), = calls
     assert (repo_id, revision) == ("owner/name", "0123abc")

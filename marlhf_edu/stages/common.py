@@ -32,9 +32,11 @@ class DataArguments:
 
 #: The stages' counts and limits that must not be negative (`max_rows: -3` kept all but the last three prompts).
 NON_NEGATIVE = ("max_rows", "max_tokens", "eval_pairs", "refusal_pairs", "evasion_pairs", "eval_repeats",
-                "max_prompt_length", "missing_eos_penalty")
-#: The trl stages' optimizer settings that must be > 0 (AdamW with a negative learning rate climbs the loss).
-POSITIVE = ("learning_rate", "adam_epsilon")
+                "max_prompt_length", "missing_eos_penalty", "learning_rate")
+#: The trl stages' optimizer settings that must be > 0 (AdamW divides by its epsilon). A negative learning rate is
+#: refused with the counts in `NON_NEGATIVE` (AdamW would climb the loss); 0 is allowed: it trains nothing, on purpose
+#: (a test keeps a fitted head where it is so).
+POSITIVE = ("adam_epsilon",)
 
 
 def parse_stage_args(dataclass_types, argv: list[str] | None):
