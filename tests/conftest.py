@@ -44,3 +44,17 @@ def held_by_another(lock_file) -> bool:
         return True
     finally:
         os.close(fd)  # closing it releases a lock it took
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every way the stages load a model or an adapter raises."""
+    import peft
+    import transformers
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded (or a stage ran) before the mistake was refused")
+
+    for name in ("AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassification"):
+        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", loaded)
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", loaded)

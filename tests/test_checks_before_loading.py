@@ -13,20 +13,6 @@ TINY_PPO = ["--batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size",
             "--max_new_tokens", "8", "--device", "cpu", "--eval_repeats", "1", "--total_steps", "1"]
 
 
-@pytest.fixture
-def no_loading(monkeypatch):
-    """Every way the stages load a model or an adapter raises."""
-    import peft
-    import transformers
-
-    def loaded(*args, **kwargs):
-        raise AssertionError("a model was loaded before the mistake was refused")
-
-    for name in ("AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassification"):
-        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", loaded)
-    monkeypatch.setattr(peft.PeftModel, "from_pretrained", loaded)
-
-
 def ppo(argv, multi_adapter=False):
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
     from marlhf_edu.stages.ppo import main

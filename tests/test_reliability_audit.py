@@ -14,20 +14,6 @@ TINY_PPO = ["--batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size",
 
 
 @pytest.fixture
-def no_loading(monkeypatch):
-    """Every way the stages load a model or an adapter raises."""
-    import peft
-    import transformers
-
-    def loaded(*args, **kwargs):
-        raise AssertionError("a model was loaded (or a stage ran) before the mistake was refused")
-
-    for name in ("AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassification"):
-        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", loaded)
-    monkeypatch.setattr(peft.PeftModel, "from_pretrained", loaded)
-
-
-@pytest.fixture
 def sft_never_runs(no_loading, monkeypatch):
     """The pipeline's first stage raises if it is run (the tiny SFT trains from random weights, loading nothing)."""
     import marlhf_edu.stages.sft as sft
