@@ -19,10 +19,13 @@ operations are not rerouted: `mv`, `addmv`, `dot`, `.out` overloads, fused CPU a
 (`_scaled_dot_product_flash_attention_for_cpu`) and the products inside a custom operator (bitsandbytes' 4-bit
 forward, whose x @ Wᵀ layout PyTorch computes at 0.5 s for the product above) run PyTorch's own kernels. Costs: every operation passes
 through the mode's Python dispatch while it is on, and each rerouted product holds fp32 copies of its two inputs
-for its duration (0.5 GiB for a 7B language-model head). Where the CPU has bf16 kernels, or on a machine with a
-GPU, it is off (a CPU-only run on a GPU host can set `MARLHF_EDU_FP32_PRODUCTS=1`). Every `marlhf-edu` command
-and every stage `run_pipeline` starts runs inside it. `MARLHF_EDU_FP32_PRODUCTS=1` turns it on everywhere, `=0`
-off.
+for its duration (0.5 GiB for a 7B language-model head). So the mode is entered only where a run holds such
+tensors: inside `fp32_products_where_needed()` a global forward pre-hook watches the modules that run, and the
+first module with a parameter or buffer of a slow dtype on the CPU enters the mode (the hook then goes); an fp32
+run never enters it and pays one cheap hook call per module call instead of Python dispatch for every operation.
+Where the CPU has bf16 kernels, or on a machine with a GPU, it is off (a CPU-only run on a GPU host can set
+`MARLHF_EDU_FP32_PRODUCTS=1`). Every `marlhf-edu` command and every stage `run_pipeline` starts runs inside it.
+`MARLHF_EDU_FP32_PRODUCTS=1` treats bf16 and fp16 as slow everywhere, `=0` turns it off.
 
 Taught in chapter 15.
 """
@@ -76,14 +79,15 @@ def needs_fp32_products() -> bool:
 
 class Fp32Products(TorchDispatchMode):
     """Computes CPU `mm` / `addmm` / `bmm` / `baddbmm` whose tensors are all of one of `dtypes` (bf16 and fp16 by
-    default) in fp32 and rounds the result to that dtype. `count` tallies the products it computed (tests read it)."""
+    default) in fp32 and rounds the result to that dtype. `count` tallies the products it computed (tests read it);
+    `entered` says whether `fp32_products_where_needed` pushed it (a `with` block enters it directly)."""
 
     OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default)
 
     def __init__(self, dtypes: tuple[torch.dtype, ...] = LOW_PRECISION):
         super().__init__()
-        self.dtypes, self.count = tuple(dtypes), 0
+        self.dtypes, self.count, self.entered = tuple(dtypes), 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,17 +101,41 @@ class Fp32Products(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def holds_slow_tensors(module: torch.nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether `module` itself (not its children) has a CPU parameter or buffer of one of `dtypes`."""
+    for tensors in (module._parameters, module._buffers):
+        for t in tensors.values():
+            if t is not None and t.dtype in dtypes and t.device.type == "cpu":
+                return True
+    return False
+
+
 @contextlib.contextmanager
 def fp32_products_where_needed():
-    """Inside: the CPU products of `slow_dtypes()` in fp32 (nothing where that is empty). Nested uses enter the
-    mode once. Yields the `Fp32Products` mode, or None where it is off."""
+    """Inside: the CPU products of `slow_dtypes()` in fp32, from the first forward of a module that holds a tensor
+    of one of them (nothing where `slow_dtypes()` is empty, nothing in a run that never holds one). Nested uses
+    share one mode. Yields the `Fp32Products` mode (its `entered` says whether a module entered it), or None where
+    it is off."""
     dtypes = slow_dtypes()
     if getattr(_active, "mode", None) is not None or not dtypes:
         yield getattr(_active, "mode", None)
         return
-    with Fp32Products(dtypes) as mode:
-        _active.mode = mode
-        try:
-            yield mode
-        finally:
-            _active.mode = None
+    mode = Fp32Products(dtypes)
+    handle = None
+
+    def enter_on_first_slow_module(module, args):
+        # only from an empty dispatch stack: a mode pushed above another one (a library's) could be popped in its place
+        if holds_slow_tensors(module, dtypes) and torch._C._len_torch_dispatch_stack() == 0:
+            mode.__enter__()
+            mode.entered = True
+            handle.remove()
+
+    _active.mode = mode
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(enter_on_first_slow_module)
+    try:
+        yield mode
+    finally:
+        handle.remove()
+        _active.mode = None
+        if mode.entered:
+            mode.__exit__(None, None, None)

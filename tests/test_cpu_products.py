@@ -90,10 +90,12 @@ def test_the_detection_asks_onednn(monkeypatch):
 
 def test_nested_uses_enter_the_mode_once(monkeypatch):
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
+    layer = torch.nn.Linear(2, 2, bias=False, dtype=torch.bfloat16)
     with fp32_products_where_needed() as outer:
         with fp32_products_where_needed() as inner:
-            torch.randn(2, 2, dtype=torch.bfloat16) @ torch.randn(2, 2, dtype=torch.bfloat16)
-        assert inner is outer and outer.count == 1
+            layer(torch.randn(3, 2, dtype=torch.bfloat16))
+        assert inner is outer and outer.entered and outer.count == 1
+    assert torch._C._len_torch_dispatch_stack() == 0
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "0")
     with fp32_products_where_needed() as mode:
         assert mode is None
@@ -106,8 +108,8 @@ def test_every_command_and_every_pipeline_stage_runs_inside_it(monkeypatch, tmp_
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
     seen = []
 
-    def record(argv, **kwargs):  # a command: its bf16 product must go through the mode
-        torch.ones(2, 2, dtype=torch.bfloat16) @ torch.ones(2, 2, dtype=torch.bfloat16)
+    def record(argv, **kwargs):  # a command: its bf16 layer's product must go through the mode
+        torch.nn.Linear(2, 2, bias=False, dtype=torch.bfloat16)(torch.ones(2, 2, dtype=torch.bfloat16))
         seen.append((cpu_products._active.mode, cpu_products._active.mode.count))
 
     monkeypatch.setitem(sys.modules, "fake_command", types.SimpleNamespace(main=record))
@@ -129,6 +131,43 @@ def test_every_command_and_every_pipeline_stage_runs_inside_it(monkeypatch, tmp_
     seen.clear()
     pipeline.run_pipeline(stages, log=lambda line: None)
     assert len(seen) == 2 and all(isinstance(m, Fp32Products) and count == 1 for m, count in seen)
+
+
+def test_a_run_without_slow_tensors_never_enters_the_mode(monkeypatch):
+    """An fp32 run pays no Python dispatch: its operations never see the mode, however many run."""
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
+    stack_seen = []
+    layer = torch.nn.Linear(4, 4)
+    layer.register_forward_hook(lambda m, a, out: stack_seen.append(torch._C._len_torch_dispatch_stack()))
+    with fp32_products_where_needed() as mode:
+        for _ in range(3):
+            layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        assert not mode.entered and mode.count == 0 and stack_seen == [0, 0, 0]
+        # the first module holding a bf16 tensor enters it, for the rest of the block, backward included
+        half = torch.nn.Linear(4, 4, dtype=torch.bfloat16)
+        x = torch.randn(2, 4, dtype=torch.bfloat16, requires_grad=True)
+        half(x).float().sum().backward()
+        assert mode.entered and mode.count == 3  # forward, and the backward's two products (input, weight)
+        layer(torch.randn(2, 4))
+        assert stack_seen[-1] == 1
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_the_mode_is_not_pushed_above_another_dispatch_mode(monkeypatch):
+    """Pushed above a library's own mode it could be popped in that mode's place; it waits for an empty stack."""
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
+
+    class Other(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    half = torch.nn.Linear(2, 2, bias=False, dtype=torch.bfloat16)
+    with fp32_products_where_needed() as mode:
+        with Other():
+            half(torch.ones(1, 2, dtype=torch.bfloat16))
+        assert not mode.entered
+        half(torch.ones(1, 2, dtype=torch.bfloat16))
+        assert mode.entered and mode.count == 1
 
 
 @pytest.mark.skipif(not needs_fp32_products(), reason="this CPU has native bf16 kernels: nothing to speed up")

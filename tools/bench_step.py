@@ -51,13 +51,15 @@ def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]
     """Run `steps` PPO steps of `command` (`ppo` or `ma-ppo`) with `config_path` and `overrides`; every step's record."""
     import torch
 
+    from marlhf_edu.cpu_products import fp32_products_where_needed
     from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
     from marlhf_edu.stages.common import parse_stage_args
     from marlhf_edu.stages.ppo import load_prompts
 
     factory = {"ppo": FourModelBackend.from_config, "ma-ppo": MultiAdapterBackend.from_config}[command]
-    with tempfile.TemporaryDirectory() as out:
+    # as every `marlhf-edu` command runs: bf16/fp16 products in fp32 on a CPU without their kernels
+    with tempfile.TemporaryDirectory() as out, fp32_products_where_needed() as mode:
         (config,) = parse_stage_args((PPOConfig,), ["--config", config_path, *overrides, "--output_dir", out,
                                                     "--total_steps", str(steps), "--eval_repeats", "0",
                                                     "--save_steps", "0"])
@@ -68,7 +70,8 @@ def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]
         load_s = time.perf_counter() - start
         trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer))
         records = [trainer.step() for _ in range(steps)]
-    return {"config": config, "records": records, "load_s": load_s}
+        fp32_products = "off" if mode is None else "entered" if getattr(mode, "entered", True) else "never entered"
+    return {"config": config, "records": records, "load_s": load_s, "fp32_products": fp32_products}
 
 
 def summarise(records: list[dict], skip: int) -> dict:
@@ -105,6 +108,7 @@ def main(argv=None):
                   "ppo_epochs": cfg.ppo_epochs},
         **summarise(result["records"], args.skip),
         "load_s": round(result["load_s"], 2),
+        "fp32_products": result["fp32_products"],  # cpu_products: off here, entered, or never entered (no bf16)
         "per_step": [{k: round(v, 4) for k, v in r.items() if k.startswith("time/")} for r in result["records"]],
         "measured_on": f"{cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
         "machine": machine(),
