@@ -20,7 +20,8 @@ copyright = "the marlhf-edu authors, Apache-2.0"
 release = version = marlhf_edu.__version__
 
 extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.mathjax", "sphinx.ext.viewcode"]
-exclude_patterns = ["_build", "node_modules", "**.ipynb_checkpoints"]
+# _readme_*.md: the README's parts that the front page includes (tools/book.py readme_parts), not pages of their own
+exclude_patterns = ["_build", "node_modules", "**.ipynb_checkpoints", "_readme_*.md"]
 
 # --- notebooks: stored outputs only, MyST math ---------------------------------------------------------
 nb_execution_mode = "off"
@@ -110,8 +111,34 @@ class OutputsAsPrinted(SphinxTransform):
                 node["support_smartquotes"] = False
 
 
+#: Characters of a monospace line that fit the text column at 1280 px (site/_static/marlhf.css: a 1024 px article
+#: with code at 0.78rem holds 127; tests/test_site.py measures it).
+OUTPUT_COLUMN = 126
+#: A line of an aligned text table: two or more spaces between printed fields ("weights       13.91 GiB").
+ALIGNED_ROW = re.compile(r"\S {2,}\S")
+
+
+class AlignedOutputs(SphinxTransform):
+    """An output that prints an aligned table with rows wider than the text column scrolls sideways instead of
+    wrapping (class `marlhf-aligned`, site/_static/marlhf.css): wrapped, its rows would break apart mid-column.
+    Every other output wraps its lines that do not fit (a checker's FAIL line, a long sentence); lines that fit,
+    such as chapter 10's memory table under its long preamble, are never wrapped."""
+
+    default_priority = 700
+
+    def apply(self, **kwargs):
+        for node in self.document.findall(nodes.literal_block):
+            parent = node.parent
+            if not (isinstance(parent, nodes.container) and "cell_output" in parent.get("classes", [])):
+                continue
+            if any(len(line) > OUTPUT_COLUMN and ALIGNED_ROW.search(line.strip())
+                   for line in node.astext().splitlines()):
+                node["classes"].append("marlhf-aligned")
+
+
 def setup(app):
     app.add_transform(OutputsAsPrinted)
+    app.add_transform(AlignedOutputs)
     app.connect("autodoc-process-docstring", link_chapters)
     app.connect("autodoc-process-docstring", field_help)
     app.connect("env-get-updated", number_per_chapter, priority=900)  # after Sphinx's own numbering (500)
@@ -119,6 +146,7 @@ def setup(app):
     # which has math, on the search and index pages too
     app.set_html_assets_policy("always")
     app.add_css_file("marlhf.css")
+    app.add_js_file("marlhf.js")  # the article header's outline button opens the outline (marlhf.js says why)
 
 
 # --- theme --------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The book's site, built as `make book` builds it and opened in headless Chromium.
 
 Checks what a reader would see: equations rendered by MathJax (no raw LaTeX outside code), every internal
-link and anchor resolving, figures loaded, search finding the GAE chapter, navigation between chapters.
-One screenshot per checked page lands in build/site-check/ so a person can look.
+link and anchor resolving, figures loaded, search finding the GAE chapter, navigation between chapters, code
+and aligned text tables fitting the column at 1280 px, the problem sets as pages with their fixes folded, and
+the README's pipeline figure and reading path on the front page. One screenshot per checked page lands in
+build/site-check/ so a person can look.
 
 Needs Chromium (`apt-get install chromium`; CI's `.ci/run` installs it). Without it the browser checks are
 skipped on a developer machine and fail under CI (`CI` set).
@@ -41,10 +43,42 @@ VISIBLE_PROSE = """() => {
 }"""
 
 
-def test_toc_lists_every_chapter_in_order():
-    toc = re.search(r"```\{toctree\}\n:maxdepth: 1\n:caption: Chapters\n\n(.*?)```", (ROOT / "site" / "index.md").read_text(), re.S)
-    listed = toc.group(1).split()
-    assert listed == [f"chapters/{p.stem}" for p in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))]
+PROBLEM_SETS = sorted(p.stem for p in (ROOT / "chapters" / "problems").glob("*.md"))
+
+
+def toctree(caption: str) -> list[str]:
+    """The documents the front page's table of contents lists under `caption`."""
+    toc = re.search(rf"```\{{toctree\}}\n:maxdepth: 1\n:caption: {caption}\n\n(.*?)```",
+                    (ROOT / "site" / "index.md").read_text(), re.S)
+    return toc.group(1).split() if toc else []
+
+
+def test_toc_lists_every_chapter_and_problem_set_in_order():
+    assert toctree("Chapters") == [f"chapters/{p.stem}" for p in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))]
+    assert len(PROBLEM_SETS) == 3 and toctree("Problem sets") == [f"problems/{stem}" for stem in PROBLEM_SETS]
+
+
+def test_the_front_page_takes_the_readme_reading_path_with_site_links(tmp_path, monkeypatch):
+    """tools/book.py readme_parts: the README's figure is referenced where it lies, and each link of its reading path
+    names the site's page (a chapter's or problem set's notebook, a page of site/); a link the site has no page for
+    stops the build instead of leaving a dead link."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book
+
+    src = ROOT / "build" / "site-src"
+    parts = book.readme_parts(src)
+    image = re.fullmatch(r"!\[[^\]]+\]\(([^)]+)\)\n", parts["_readme_figure.md"]).group(1)
+    assert (src / image).resolve() == ROOT / "docs" / "figures" / "pipeline.png"
+    path = parts["_readme_reading_path.md"]
+    links = re.findall(r"\]\(([^)]+)\)", path)
+    chapters = [f"chapters/{p.stem}.ipynb" for p in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))]
+    assert links == ["benchmarks.md", *chapters, *(f"problems/{stem}.ipynb" for stem in PROBLEM_SETS)]
+    assert "| **The math** |" in path and "Three problem sets" in path and "## " not in path
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text().replace("(chapters/05_gae.md)", "(notes/05.md)"))
+    monkeypatch.setattr(book, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match="notes/05.md"):
+        book.readme_parts(src)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +139,8 @@ def open_page(browser, url):
 
 
 PAGES = sorted(["index.html", "api.html", "search.html", "genindex.html", "py-modindex.html", *API_PAGES]
-               + [f"chapters/{p.stem}.html" for p in (ROOT / "chapters").glob("[0-9][0-9]_*.md")])
+               + [f"chapters/{p.stem}.html" for p in (ROOT / "chapters").glob("[0-9][0-9]_*.md")]
+               + [f"problems/{stem}.html" for stem in PROBLEM_SETS])
 
 
 @pytest.mark.parametrize("name", PAGES)
@@ -184,27 +219,96 @@ def test_previous_next_navigation(browser, site):
     page.close()
 
 
-# outputs that a reader would have to scroll sideways: wider than the article, or scrolling inside
+# outputs that a reader would have to scroll sideways: wider than the article, or scrolling inside; an aligned table
+# with rows wider than the column (site/conf.py AlignedOutputs: `marlhf-aligned`) scrolls by design
 TOO_WIDE = """() => {
   const right = (document.querySelector('article.bd-article') || document.querySelector('article')).getBoundingClientRect().right;
   return [...document.querySelectorAll('div.cell_output pre, div.cell_output table, div.cell_output img')]
+    .filter(e => !e.closest('.marlhf-aligned'))
     .filter(e => e.scrollWidth > e.clientWidth + 1 || e.getBoundingClientRect().right > right + 1)
     .map(e => (e.innerText || e.getAttribute('src') || '').slice(0, 80).replace(/\\n/g, ' '));
 }"""
 
 
 def test_outputs_wrap_to_the_text_column(browser, site):
-    """Issue 36: cell outputs wrap (site/_static/marlhf.css); with the theme's defaults 155 output blocks of the
-    book scrolled sideways at this width, among them the exercise checkers' FAIL lines."""
+    """Cell outputs wrap the lines that do not fit (site/_static/marlhf.css); with the theme's defaults 155 output
+    blocks of the book scrolled sideways at this width, among them the exercise checkers' FAIL lines. Only an
+    aligned table too wide for the column scrolls, and those are few."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    wide = {}
+    wide, aligned = {}, 0
     for name in PAGES:
-        if name.startswith("chapters/"):
+        if name.startswith(("chapters/", "problems/")):
             page.goto(site + name, wait_until="load")
             if blocks := page.evaluate(TOO_WIDE):
                 wide[name] = blocks[:2]
+            aligned += page.locator("div.cell_output .marlhf-aligned").count()
     page.close()
     assert not wide, f"output blocks wider than the text column: {wide}"
+    assert aligned <= 6, f"{aligned} outputs scroll sideways as aligned tables"
+
+
+# Code cells (input) that scroll sideways, and their longest line; the chapters' code is written to about 120
+# characters a line, which the column holds at 1280 px (site/_static/marlhf.css)
+SCROLLING_CODE = """() => [...document.querySelectorAll('div.cell_input pre')]
+  .filter(e => e.scrollWidth > e.clientWidth + 1)
+  .map(e => e.textContent.split('\\n').reduce((a, b) => b.length > a.length ? b : a, '').slice(0, 80))"""
+# Every row of an aligned text table in an output (a line with two or more spaces between fields) and the screen
+# lines it takes: a wrapped row breaks its columns apart
+WRAPPED_ROWS = """() => {
+  const rows = [], wrapped = [];
+  for (const pre of document.querySelectorAll('div.cell_output pre')) {
+    if (!pre.getClientRects().length) continue;  // folded
+    const walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT), texts = [];
+    for (let n; (n = walker.nextNode());) texts.push(n);
+    const at = offset => { for (const t of texts) { if (offset <= t.data.length) return [t, offset]; offset -= t.data.length; } };
+    let start = 0;
+    for (const line of texts.map(t => t.data).join('').split('\\n')) {
+      if (/\\S {2,}\\S/.test(line.trim())) {
+        const range = document.createRange();
+        range.setStart(...at(start)); range.setEnd(...at(start + line.length));
+        const tops = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+        rows.push(line);
+        if (tops.size > 1) wrapped.push(line.slice(0, 80));
+      }
+      start += line.length + 1;
+    }
+  }
+  return {rows, wrapped};
+}"""
+
+
+def test_code_and_aligned_tables_fit_the_column(browser, site):
+    """At 1280 px the text column holds the chapters' code (written to about 120 characters a line) and aligned
+    text tables unwrapped: with the theme's column (690 px) 89 of the 123 code cells of chapters 10, 13 and 15
+    scrolled sideways and chapter 10's `marlhf-edu memory` table broke its fourth column onto lines of its own.
+    Prose keeps its own, narrower measure."""
+    page = open_page(browser, site + "index.html")
+    # the front page's first code block (the make targets) is whole, not cut at the column's edge
+    first = page.locator("article pre").first
+    assert "make test" in first.inner_text() and first.evaluate("e => e.scrollWidth <= e.clientWidth + 1"), \
+        f"the front page's first code block is cut: {first.inner_text()[:200]!r}"
+    cells, scrolling, wrapped = 0, {}, {}
+    for name in [n for n in PAGES if n.startswith(("chapters/", "problems/"))]:
+        page.goto(site + name, wait_until="load")
+        rows = page.evaluate(WRAPPED_ROWS)
+        if rows["wrapped"]:
+            wrapped[name] = rows["wrapped"][:3]
+        if name.startswith(("chapters/10", "chapters/13", "chapters/15")):
+            cells += page.locator("div.cell_input pre").count()
+            scrolling[name] = page.evaluate(SCROLLING_CODE)
+        if name.startswith("chapters/10"):
+            memory = [r for r in rows["rows"] if r.startswith(("weights ", "= peak ", "÷ four-model "))]
+            assert len(memory) == 3 and "0.325" in memory[2], memory
+            width = page.evaluate("() => document.querySelector('article p').getBoundingClientRect().width")
+            assert width < 0.8 * page.evaluate("() => document.querySelector('div.cell_input pre').clientWidth")
+        shown = {"chapters/10": "÷ four-model", "chapters/13": "def paired_changes"}.get(name[:11])
+        if shown:  # a person looks: the memory table, and a stretch of chapter 13's longest code
+            page.locator("pre", has_text=shown).first.evaluate("e => e.scrollIntoView()")
+            page.evaluate("() => window.scrollBy(0, -300)")
+            page.screenshot(path=str(SHOTS / (name.replace("/", "_").removesuffix(".html") + "_code.png")))
+    page.close()
+    assert not wrapped, f"aligned table rows wrapped onto two lines: {wrapped}"
+    assert cells >= 100 and sum(map(len, scrolling.values())) <= 0.05 * cells, (cells, scrolling)
 
 
 def test_tables_render_and_outputs_keep_their_quotes(browser, site):
@@ -242,6 +346,59 @@ def test_answers_are_folded_and_closed(browser, site):
     page.locator("details.marlhf-answer summary").first.click()
     assert page.locator("details.marlhf-answer").first.evaluate("d => d.open")
     page.screenshot(path=str(SHOTS / "chapters_05_gae_answers.png"))
+    page.close()
+
+
+def test_problem_sets_are_pages_with_their_fixes_folded(browser, site):
+    """The problem sets are pages of the site (tools/book.py stage_site), listed in the navigation and the front
+    page's contents under their own caption, with every fix (a solution cell) and every graded cell's hidden cases
+    folded, closed, as the chapters' solutions are."""
+    import nbformat
+
+    page = open_page(browser, site + "index.html")
+    for where in ("nav.bd-links", "article"):
+        listed = page.evaluate(f"""() => [...document.querySelectorAll('{where} p.caption')]
+          .filter(p => p.innerText.trim() === 'Problem sets')
+          .map(p => [...p.nextElementSibling.querySelectorAll('a')].map(a => a.getAttribute('href')))""")
+        assert listed == [[f"problems/{stem}.html" for stem in PROBLEM_SETS]], (where, listed)
+    for stem in PROBLEM_SETS:
+        nb = nbformat.read(ROOT / "notebooks" / "problems" / f"{stem}.ipynb", 4)
+        hidden = sum(c.cell_type == "code" and (c.metadata.get("nbgrader", {}).get("solution", False)
+                                                or "### BEGIN HIDDEN TESTS" in c.source) for c in nb.cells)
+        page.goto(site + f"problems/{stem}.html", wait_until="load")
+        folded = page.evaluate("() => [...document.querySelectorAll('details.hide.above-input')].map(d => d.open)")
+        assert hidden >= 8 and folded == [False] * hidden, (stem, hidden, folded)
+        assert not page.get_by_text("BEGIN SOLUTION").first.is_visible()
+        assert page.locator("h1").first.inner_text().startswith("Problem set")
+        if stem == PROBLEM_SETS[0]:
+            page.screenshot(path=str(SHOTS / f"problems_{stem}.png"))
+    page.close()
+
+
+def test_the_front_page_shows_the_pipeline_and_the_reading_path(browser, site):
+    """The front page shows the README's pipeline figure (the file in docs/figures/) and its reading path, each
+    chapter and problem set linked to its page."""
+    assert (SITE / "_images" / "pipeline.png").read_bytes() == (ROOT / "docs" / "figures" / "pipeline.png").read_bytes()
+    page = open_page(browser, site + "index.html")
+    figure = page.locator("article img[src$='pipeline.png']")
+    assert figure.count() == 1 and figure.evaluate("i => i.complete && i.naturalWidth > 0")
+    table = page.locator("section#reading-path table")
+    links = table.evaluate("t => [...t.querySelectorAll('a')].map(a => a.getAttribute('href'))")
+    chapters = [f"chapters/{p.stem}.html" for p in sorted((ROOT / "chapters").glob("[0-9][0-9]_*.md"))]
+    assert links == chapters
+    assert [f"problems/{stem}.html" for stem in PROBLEM_SETS] == page.evaluate(
+        "() => [...document.querySelectorAll('section#reading-path p a')].map(a => a.getAttribute('href'))"
+        ".filter(h => h.startsWith('problems/'))")
+    # every row as the README writes it: what the chapter teaches, its words and its run time
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\|[^|]*\| \[[^\]]+\]\(chapters/\w+\.md\) \| (.+) \|$", readme, re.M)
+    shown = table.evaluate("t => [...t.querySelectorAll('tbody tr')]"
+                           ".map(r => [...r.cells].slice(2).map(c => c.innerText.trim()).join(' | '))")
+    shown = [r.replace("\u2019", "'") for r in shown]  # the site's typographic apostrophes
+    assert len(rows) == len(chapters) and shown == [r.replace("`", "") for r in rows]
+    page.locator("section#reading-path").scroll_into_view_if_needed()
+    page.evaluate("() => document.querySelector('section#reading-path').scrollIntoView()")
+    page.screenshot(path=str(SHOTS / "index_reading_path.png"))
     page.close()
 
 
