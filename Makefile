@@ -67,8 +67,10 @@ notebooks: $(STAMP)
 assignments: $(STAMP)
 	$(PY) tools/book.py assignments $(CHAPTERS)
 
-# The learner edition (learner/: exercises as stubs, no solutions or model answers) in a JupyterLab without
-# nbgrader; a notebook you have edited there is never overwritten.
+# The learner edition (learner/: exercises as stubs, no solutions or model answers; the stored outputs are kept
+# save those computed from an answer or the learner's code, tools/book.py kept_outputs) in a JupyterLab without
+# nbgrader, which root may run too. A notebook whose cells you have edited there is never overwritten: the
+# build names each one it kept and how to get the book's copy.
 lab learner: $(STAMP)
 	$(PY) tools/book.py learner
 	JUPYTER_CONFIG_DIR=learner/.jupyter $(VENV)/bin/jupyter lab learner/

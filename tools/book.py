@@ -25,6 +25,8 @@ notebooks/; `notebooks` is the only command that rewrites stored outputs.
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import os
 import pathlib
@@ -32,6 +34,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -243,20 +246,55 @@ def install_mathjax(static: pathlib.Path) -> None:
 
 
 def stage_site(notebooks: pathlib.Path) -> pathlib.Path:
-    """build/site-src/: the Sphinx sources of site/ plus the executed notebooks under chapters/."""
+    """build/site-src/: the Sphinx sources of site/ plus the executed notebooks, the chapters under chapters/ and
+    the problem sets under problems/ (pages chapters/05_gae.html, problems/p1_math.html), each with its answers
+    folded."""
     src = BUILD / "site-src"
     if src.exists():
         shutil.rmtree(src)
     shutil.copytree(SITE, src, ignore=shutil.ignore_patterns("package*.json", "__pycache__"))
-    (src / "chapters").mkdir()
     import nbformat
 
-    for md in chapter_paths():
-        nb = fold_answers(nbformat.read(notebooks / f"{md.stem}.ipynb", as_version=4))
-        nbformat.write(nb, src / "chapters" / f"{md.stem}.ipynb")
+    for md in chapter_paths(problems=True):
+        executed = notebooks / notebook_path(md).relative_to(NOTEBOOKS)
+        if not executed.exists() and md.parent.name == "problems":
+            executed = notebook_path(md)  # `site --execute` executes the chapters only: problem sets as stored
+        staged = src / ("problems" if md.parent.name == "problems" else "chapters") / executed.name
+        staged.parent.mkdir(exist_ok=True)
+        nbformat.write(fold_answers(nbformat.read(executed, as_version=4)), staged)
+    for name, text in readme_parts(src).items():
+        (src / name).write_text(text)
     if os.environ.get("MARLHF_MATHJAX_CDN") != "1":
         install_mathjax(src / "_static")
     return src
+
+
+#: The README's links, as the site names the same pages (a chapter or problem set is its executed notebook there)
+README_LINKS = [(re.compile(r"^chapters/problems/(\w+)\.md$"), r"problems/\1.ipynb"),
+                (re.compile(r"^chapters/(\w+)\.md$"), r"chapters/\1.ipynb"),
+                (re.compile(r"^site/(\w+)\.md$"), r"\1.md")]
+
+
+def readme_parts(src: pathlib.Path) -> dict[str, str]:
+    """The parts of README.md that the site's front page includes (site/index.md), so each is written once: its
+    pipeline figure (`_readme_figure.md`, the image referenced where it lies, docs/figures/, not copied) and the
+    body of its "Reading path" section (`_readme_reading_path.md`), with each link rewritten to the site's page.
+    A link the site has no page for stops the build, naming it."""
+    readme = (ROOT / "README.md").read_text()
+    figure = re.search(r"^!\[([^\]]*)\]\(([^)]+)\)$", readme, re.M)
+    image = os.path.relpath(ROOT / figure.group(2), src)
+    section = re.search(r"^## Reading path\n\n(.*?)(?=^## )", readme, re.M | re.S).group(1)
+
+    def site_link(match):
+        target = match.group(1)
+        for pattern, replacement in README_LINKS:
+            if pattern.match(target):
+                return f"]({pattern.sub(replacement, target)})"
+        sys.exit(f"README.md's reading path links {target!r}, which the site has no page for "
+                 "(tools/book.py README_LINKS)")
+
+    return {"_readme_figure.md": f"![{figure.group(1)}]({image})\n",
+            "_readme_reading_path.md": re.sub(r"\]\(([^)]+)\)", site_link, section)}
 
 
 ANSWER_OPEN = '<details class="marlhf-answer"><summary>{title}</summary>\n\n'
@@ -337,7 +375,7 @@ def out_of_sync() -> list[str]:
 
 # --- the course: nbgrader source and release ------------------------------------------------------------------
 
-SHOWN = re.compile(r"^show\((\w+)\)$")
+SHOWN = re.compile(r"^show\((?:\w+\.)*(\w+)\)$")  # show(name) or show(module.name): group 1 is the name
 WITHHELD_NOTE = ("*The package's `{name}` is not shown in the student copy: it gives this chapter's exercise away, "
                  "and the checker withholds it while your code runs. It is in the instructor copy.*")
 
@@ -505,46 +543,284 @@ def cmd_assignments(names: list[str] | None, root: pathlib.Path = COURSE) -> lis
     return built
 
 
+# --- the learner edition: exercises as stubs, the results that give nothing away kept -----------------------------
+
+
+def _statement_names(source: str) -> list[tuple[set[str], set[str], set[str], set[str], str]] | None:
+    """Each top-level statement of a code cell as (the notebook's names it reads, the names and attributes it reads
+    other than as the function it calls, names it binds, names it may change in place, its kind: "import", "def"
+    for a function or class, or ""); None when the cell is not plain Python.
+
+    Reads follow Python's scopes: a function's parameters and locals, a lambda's parameters and a comprehension's
+    variables are not the notebook's names, nor is a `for` loop's variable in its body. `show(f)`, `timed(f)` and
+    `g = f` read `f` as a value, `f(x)` does not; `gguf_blocks.dequantize_q4_1` reads `dequantize_q4_1` as a
+    value. An import is one statement per alias, which reads the imported name (not as a value) and binds the
+    alias. Binds are assignment, loop and `with` targets and top-level `def`/`class` names. Changed in place: the
+    object a subscript or attribute is assigned into (`runs[k] = …`) and the receiver of a method called as a
+    statement (`rows.append(…)`, `ax.bar(…)`)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    comprehensions = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+    def stored(nodes) -> set[str]:
+        return {n.id for node in nodes for n in ast.walk(node)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+    def named(node, local: frozenset):  # (node, name) for each Name the notebook's scope provides, and each attribute
+        if isinstance(node, scopes):
+            args = node.args
+            params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg] if a}
+            body = node.body if isinstance(node.body, list) else [node.body]
+            for outside in [*args.defaults, *filter(None, args.kw_defaults), *getattr(node, "decorator_list", [])]:
+                yield from named(outside, local)
+            inner = local | params | stored(body)
+            for part in body:
+                yield from named(part, inner)
+        elif isinstance(node, comprehensions):  # the first iterable is evaluated outside, the rest inside
+            inner = local | stored(g.target for g in node.generators)
+            for i, generator in enumerate(node.generators):
+                yield from named(generator.iter, local if i == 0 else inner)
+                for condition in generator.ifs:
+                    yield from named(condition, inner)
+            for part in ([node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]):
+                yield from named(part, inner)
+        elif isinstance(node, (ast.For, ast.AsyncFor)):  # the loop variable is bound before the body reads it
+            yield from named(node.iter, local)
+            for part in [*node.body, *node.orelse]:
+                yield from named(part, local | stored([node.target]))
+        else:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+                yield node, node.id
+            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id not in local:
+                yield node.target, node.target.id  # `total += x` reads `total` too
+            elif isinstance(node, ast.Attribute):
+                yield node, node.attr
+            for child in ast.iter_child_nodes(node):
+                yield from named(child, local)
+
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def own(node):  # the statement's own nodes: not inside the functions, lambdas and classes it defines
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (*scopes, ast.ClassDef, *comprehensions)):
+                yield child
+            else:
+                yield from own(child)
+
+    statements = []
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            statements += [({a.name.rpartition(".")[2]}, set(), {(a.asname or a.name).split(".")[0]}, set(), "import")
+                           for a in stmt.names]
+            continue
+        found = list(named(stmt, frozenset()))
+        called = {id(n.func) for n in ast.walk(stmt) if isinstance(n, ast.Call)}
+        reads = {name for n, name in found if isinstance(n, ast.Name)}
+        values = {name for n, name in found if id(n) not in called}
+        binds, changed = set(), set()
+        definition = isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        for node in ([stmt] if definition else own(stmt)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                binds.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                binds.add(node.id)
+            elif isinstance(node, (ast.Attribute, ast.Subscript)) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                changed.add(root(node))
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+                    and isinstance(node.value.func, ast.Attribute):
+                changed.add(root(node.value.func))
+        statements.append((reads, values, binds, changed - {None}, "def" if definition else ""))
+    return statements
+
+
+def _answer_lines(hidden: set[str]) -> set[str]:
+    """The code lines (20 characters or more, docstring and comments left out) of the package functions the
+    chapter's checkers withhold: text that must not appear in an output the learner edition keeps."""
+    from marlhf_edu import exercises
+
+    paths = {p for obj in vars(exercises).values() for p in getattr(obj, "withholds", ())
+             if p.rpartition(".")[2] in hidden}
+    lines = set()
+    for path in paths:
+        source = textwrap.dedent(inspect.getsource(exercises._resolve(path)))
+        body = ast.parse(source).body[0].body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring: prose a chapter may quote
+        for stmt in body:
+            lines.update(l.strip() for l in ast.get_source_segment(source, stmt).splitlines()
+                         if len(l.strip()) >= 20 and not l.strip().startswith("#"))
+    return lines
+
+
+def _output_text(outputs) -> str:
+    parts = []
+    for out in outputs:
+        parts.append(out.get("text", "") if isinstance(out.get("text", ""), str) else "".join(out["text"]))
+        for value in out.get("data", {}).values():
+            parts.append(value if isinstance(value, str) else json.dumps(value))
+    return "\n".join(parts)
+
+
+def exercise_references() -> set[str]:
+    """The answers `marlhf_edu.exercises` holds for its checkers to compare with (`gae_with_bootstrap_reference`):
+    its public functions other than the checkers (`check_…`) and the grading API (`case`, `grade`, `withheld`). A
+    chapter that imports one to show what the exercise computes computes from the solution."""
+    from marlhf_edu import exercises
+
+    return {name for name, obj in vars(exercises).items() if inspect.isfunction(obj)
+            and obj.__module__ == exercises.__name__ and not name.startswith(("_", "check_"))
+            and name not in {"case", "grade", "withheld"}}
+
+
+def kept_outputs(nb) -> set[str]:
+    """Ids of the instructor notebook's code cells whose stored outputs the learner edition keeps: the results a
+    learner reads before running anything (the stored records a chapter reads, its settings, a listing of the
+    package's code, a demonstration of the package at work), never an answer.
+
+    The rule, from the chapter's own structure, read in execution order. Tainted from the start are the references
+    the checkers compare with (`exercise_references`); the learner's code is every name a solution or graded cell
+    binds (the learner's function, the checks), tainted from there on. A statement is tainted when it reads a
+    tainted name (through the functions it calls that the notebook defines, too), or reads a withheld function
+    (`withheld_names`: the package's answers) as a value rather than calling it (`show(f)`, `timed(f)`, `g = f`);
+    what a tainted statement binds or changes in place is tainted, what a clean one binds is clean again. A code
+    cell keeps its outputs when it is neither a solution nor a graded cell, parses as Python, none of its
+    statements is tainted, and its outputs contain no code line of a withheld function (`_answer_lines`, a net
+    under the rule). A cell that calls a withheld function keeps its result: the student copy keeps such
+    demonstrations (only the listing goes, `student_source`), and running the cell prints the same. So a cell that
+    shows an answer, runs or checks the learner's code, or prints something computed from it, is blank until the
+    learner runs it."""
+    hidden = withheld_names(nb)
+    answers = _answer_lines(hidden)
+    tainted = exercise_references()
+    defined: dict[str, set[str]] = {}  # a function or class the notebook defines -> the names its body reads
+    imported: set[str] = set()  # modules such as `plt` and package functions: not changed in place by a call
+    kept = set()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        grading = cell.metadata.get("nbgrader", {})
+        graded = bool(grading.get("solution") or grading.get("grade"))
+        statements = _statement_names(cell.source)
+        clean = statements is not None and not graded
+        if statements is None:  # not Python: every word it holds counts as read, as a value, and as bound
+            words = set(re.findall(r"[A-Za-z_]\w*", cell.source))
+            statements = [(words, words, words, set(), "")]
+        for reads, values, binds, changed, kind in statements:
+            seen, todo = set(), set(reads)
+            while todo:  # what the notebook's own functions that this statement names read, at the time of the call
+                name = todo.pop()
+                seen.add(name)
+                todo |= defined.get(name, set()) - seen
+            if kind == "import":
+                imported |= binds
+                if reads & hidden:  # `from marlhf_edu import gae_advantages as gae`
+                    hidden |= binds
+            if graded or seen & tainted or values & hidden:
+                tainted |= binds | (changed - imported)
+                clean = False
+            else:
+                tainted -= binds
+            for name in binds:
+                if kind == "def":
+                    defined[name] = reads
+                else:
+                    defined.pop(name, None)
+        if clean and cell.get("outputs") and not any(line in _output_text(cell.outputs) for line in answers):
+            kept.add(cell.id)
+    return kept
+
+
 def learner_copy(nb, stem: str):
     """The learner edition of an instructor notebook: what nbgrader releases to students, built without a course.
     The answers' `show()` cells go (as for an assignment), nbgrader's own preprocessors replace each solution with
-    its stub, drop the hidden tests and the model answers, and clear every output (the learner runs the cells).
-    Paths stay as in notebooks/, so a copy runs from learner/ as the instructor copy does from notebooks/."""
+    its stub, drop the hidden tests and the model answers, and clear the outputs; the outputs `kept_outputs` allows
+    (results that give no answer away) are put back, so the chapter reads as the book does before the learner runs
+    a cell. Paths stay as in notebooks/, so a copy runs from learner/ as the instructor copy does from notebooks/.
+    The kernelspec is the one ipykernel installs ("Python 3 (ipykernel)"), what JupyterLab writes on saving."""
+    from ipykernel.kernelspec import get_kernel_dict
     from nbgrader.preprocessors import ClearHiddenTests, ClearMarkScheme, ClearOutput, ClearSolutions
 
+    kept = kept_outputs(nb)
+    stored = {cell.id: (cell.outputs, cell.execution_count) for cell in nb.cells if cell.id in kept}
     nb, resources = student_source(nb, stem, set(), local_paths=False), {}
     for step in (ClearSolutions(), ClearHiddenTests(), ClearMarkScheme(), ClearOutput()):
         nb, resources = step.preprocess(nb, resources)
+    for i, cell in enumerate(nb.cells):
+        if cell.get("id") in stored:
+            cell.outputs, cell.execution_count = stored[cell.id]
+        elif not re.fullmatch(r"c\d{3}", cell.get("id", "")):  # a note `student_source` added: an id that
+            cell["id"] = f"n{i:03d}"  # stays the same from build to build, as the chapter's own cells' ids do
     nb.metadata.pop("jupytext", None)  # not paired with chapters/: saving it must never write a chapter
+    kernel = get_kernel_dict()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": kernel["display_name"],
+                                 "language": kernel["language"]}
     return nb
 
 
 def learner_server_config(config_dir: pathlib.Path) -> pathlib.Path:
     """A Jupyter configuration directory whose JupyterLab hides nbgrader (its menu, Validate button and panels,
-    and the server extensions behind them): the learner's JupyterLab. `make teach` runs without it."""
+    and the server extensions behind them): the learner's JupyterLab. `make teach` runs without it. Run as root
+    (a container), the server refuses to start unless allowed: this configuration allows it there."""
     (config_dir / "labconfig").mkdir(parents=True, exist_ok=True)
     (config_dir / "labconfig" / "page_config.json").write_text(
         json.dumps({"disabledExtensions": {"@jupyter/nbgrader": True}}, indent=1) + "\n")
     server = {f"nbgrader.server_extensions.{name}": False
               for name in ("formgrader", "validate_assignment", "assignment_list", "course_list")}
-    (config_dir / "jupyter_server_config.json").write_text(
-        json.dumps({"ServerApp": {"jpserver_extensions": server}}, indent=1) + "\n")
+    settings = {"jpserver_extensions": server}
+    if getattr(os, "geteuid", lambda: -1)() == 0:  # `jupyter lab --allow-root`
+        settings["allow_root"] = True
+    (config_dir / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": settings}, indent=1) + "\n")
     return config_dir
+
+
+def _cells_as_edited(text: str) -> list[tuple[str, str]] | None:
+    """What a learner edits in a notebook (JSON text): each cell's type and source; None when it is no notebook."""
+    try:
+        cells = json.loads(text)["cells"]
+        return [(c["cell_type"], c["source"] if isinstance(c["source"], str) else "".join(c["source"])) for c in cells]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def learner_edited(target: pathlib.Path, stamp: pathlib.Path) -> bool:
+    """Whether the learner has edited a learner-edition notebook: its cells (types and sources) differ from those of
+    the copy the build wrote, `stamp`. Outputs, execution counts and metadata do not count: JupyterLab rewrites the
+    kernelspec and language_info of a notebook it opens, and running a cell is not editing it. A copy without a
+    stamp, or one that no longer reads as a notebook, counts as edited (it is never overwritten)."""
+    if not stamp.exists():
+        return True
+    mine = _cells_as_edited(target.read_text())
+    return mine is None or mine != _cells_as_edited(stamp.read_text())
 
 
 def cmd_learner(names: list[str] | None, out: pathlib.Path = LEARNER) -> list[pathlib.Path]:
     """learner/ (mirroring notebooks/) from the stored notebooks: the learner edition. Rebuilt from the instructor
-    copies each time; a learner's own edited copy is never overwritten (it is kept, and named)."""
+    copies each time; a copy whose cells the learner has edited (`learner_edited`) is never overwritten: it is
+    kept, with a line that names it and says how to get the book's copy."""
     import nbformat
 
+    shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     written, kept = [], []
     for md in chapter_paths(names, problems=True):
         target = out / notebook_path(md).relative_to(NOTEBOOKS)
         nb = learner_copy(nbformat.read(notebook_path(md), as_version=4), md.stem)
         text = nbformat.writes(nb) + "\n"
         stamp = target.with_name(f".{target.stem}.built")
-        if target.exists() and (not stamp.exists() or stamp.read_text() != target.read_text()):
-            kept.append(target)  # the learner has worked in it
+        if target.exists() and learner_edited(target, stamp):
+            changed = stamp.exists() and _cells_as_edited(stamp.read_text()) != _cells_as_edited(text)
+            mine = next(p for n in range(1, 1000) if not (p := target.with_name(
+                f"{target.stem}.mine{n if n > 1 else ''}.ipynb")).exists())  # never a name that holds earlier work
+            kept.append(f"{shown / target.relative_to(out)}: kept, you have edited it"
+                        + ("; the book's copy has changed since" if changed else "")
+                        + f". To get the book's copy, rename yours (mv {shown / target.relative_to(out)} "
+                        f"{shown / mine.relative_to(out)}) or delete it, and run `make lab` again")
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
@@ -553,8 +829,9 @@ def cmd_learner(names: list[str] | None, out: pathlib.Path = LEARNER) -> list[pa
     learner_server_config(out / ".jupyter")
     # jupytext reads the nearest jupytext.toml: the repository's pairs notebooks/ with chapters/, this one pairs nothing
     (out / "jupytext.toml").write_text("# the learner edition: plain notebooks, paired with nothing\nformats = \"ipynb\"\n")
-    print(f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}/: {len(written)} notebook(s) written"
-          + (f"; kept your edited {', '.join(p.name for p in kept)} (delete one to get it fresh)" if kept else ""))
+    print(f"{shown}/: {len(written)} notebook(s) written" + (f", {len(kept)} kept:" if kept else ""))
+    for line in kept:
+        print(f"  {line}")
     return written
 
 
