@@ -18,9 +18,10 @@ from marlhf_edu.kl import kl_penalty
 
 #: How advantages are scaled: by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO).
 ADVANTAGE_SCALES = ("group", "batch", "none")
-#: How per-token losses become one number: per-sequence token means then their mean ('grpo'), or one mean
-#: over every token of the batch ('bnpo', which is what trl's default 'dapo' computes on a single process).
-GRPO_LOSS_AGGREGATIONS = ("grpo", "bnpo")
+#: How per-token losses become one number: per-sequence token means then their mean ('grpo'), one mean
+#: over every token of the batch ('bnpo', which is what trl's default 'dapo' computes on a single process), or
+#: the sum over every token divided by a constant, B × the longest allowed answer ('dr_grpo', trl's too).
+GRPO_LOSS_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo")
 
 
 def group_relative_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
@@ -69,6 +70,7 @@ def grpo_loss(
     beta: float = 0.0,
     aggregation: str = "grpo",
     kl_importance_weighted: bool = True,
+    max_length: int | None = None,
 ) -> torch.Tensor:
     r"""GRPO's loss: PPO's clipped surrogate per token with a sequence's advantage, plus β·k3 to the reference.
 
@@ -88,10 +90,24 @@ def grpo_loss(
     the weighted term ρ·k3 is ∇KL(π ‖ π_ref), the reverse KL (chapter 03), token by token
     given each token's prefix; that of plain k3 (DeepSeekMath's loss) is ∇KL(π_ref ‖ π), the
     forward KL. Once π has moved from π_old the weight also keeps the estimate of the
-    KL's value unbiased. Aggregation 'grpo' averages each
-    sequence's tokens and then the sequences (a length bias: chapter 06); 'bnpo'
-    averages over all real tokens of the batch. Padding is selected out with
-    `where`, so garbage there cannot leak.
+    KL's value unbiased.
+
+    `aggregation` turns the (B, T) token losses ℓ with mask m into one number:
+
+    .. math:: \mathtt{grpo}: \frac1B\sum_b \frac{\sum_t m_{bt}\ell_{bt}}{\sum_t m_{bt}},\qquad
+              \mathtt{bnpo}: \frac{\sum_{bt} m_{bt}\ell_{bt}}{\sum_{bt} m_{bt}},\qquad
+              \mathtt{dr\_grpo}: \frac{\sum_{bt} m_{bt}\ell_{bt}}{B\,L}
+
+    'grpo' gives each token of an answer of `|o|` tokens the weight `1/(B|o|)`, so a
+    short answer's tokens are pushed harder than a long one's (a length bias:
+    chapter 06); 'bnpo' weighs every token of the batch alike, by one over the
+    batch's token count, which changes from batch to batch. 'dr_grpo' (Liu et al.
+    2025, "Understanding R1-Zero-Like Training") divides by a constant instead:
+    L = `max_length`, the longest answer generation allows (trl's
+    `max_completion_length`; trl's `loss_type="dr_grpo"` is this), required with
+    'dr_grpo' and at least the longest answer in `mask`. Dr. GRPO also drops the
+    division by the group's std: `group_relative_advantages(..., scale="none")`.
+    Padding is selected out with `where`, so garbage there cannot leak.
 
     Taught in chapter 12.
     """
@@ -106,6 +122,15 @@ def grpo_loss(
     if beta < 0 or epsilon <= 0:
         raise ValueError(f"{fn}: need beta >= 0 and epsilon > 0, got {beta!r}, {epsilon!r}")
     m = as_bool_mask(mask, logprobs, fn)
+    if aggregation == "dr_grpo":
+        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+            raise ValueError(f"{fn}: aggregation 'dr_grpo' needs `max_length`, a positive int (the generation "
+                             f"limit on answer tokens), got {max_length!r}")
+        longest = int(m.sum(-1).max()) if m.shape[0] else 0
+        if longest > max_length:
+            raise ValueError(f"{fn}: an answer has {longest} tokens, more than `max_length` = {max_length}")
+    elif max_length is not None:
+        raise ValueError(f"{fn}: `max_length` is only used by aggregation 'dr_grpo', not {aggregation!r}")
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     logprobs, old_logprobs = torch.where(m, logprobs, zero), torch.where(m, old_logprobs, zero)
     ratio = torch.exp(logprobs - old_logprobs)
@@ -120,4 +145,6 @@ def grpo_loss(
     per_token = torch.where(m, per_token, zero)
     if aggregation == "grpo":
         return (per_token.sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if aggregation == "dr_grpo":  # a constant: every token's weight is 1 / (B L) whatever the answers' lengths
+        return per_token.sum() / (per_token.shape[0] * max_length)
     return per_token.sum() / m.sum().clamp(min=1)

@@ -14,32 +14,47 @@ import torch
 from marlhf_edu._validate import as_bool_mask, check_no_nan
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+#: What `masked_mean` does where the mask selects nothing: raise, or return NaN for that slice.
+MASKED_MEAN_EMPTY = ("raise", "nan")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
+                empty: str = "raise") -> torch.Tensor:
     r"""Mean of `values` over the positions where `mask` is 1.
 
     .. math:: \operatorname{mean}_m(x) = \frac{\sum_i x_i m_i}{\sum_i m_i}
 
     Shapes: `values` (B, T) or any shape; `mask` broadcastable to it (0/1 or bool).
     With `dim=None` the result is a scalar; with `dim=d` the mean is taken along
-    that dimension only. Masked entries never influence the result, even when
-    they hold NaN or inf.
+    that dimension only (e.g. `dim=0` on (B, T): one mean per position, (T,)).
+    Masked entries never influence the result, even when they hold NaN or inf.
 
-    Raises `ValueError` when the mask selects nothing (in any slice along `dim`)
-    or when a selected entry is NaN.
+    Where the mask selects nothing (the whole tensor, or a slice along `dim`)
+    the mean is 0/0. `empty="raise"` (the default) raises `ValueError`;
+    `empty="nan"` returns NaN for those slices and the masked mean elsewhere, as
+    trl 0.11's `masked_mean`, sum(x·m)/sum(m), does: per-position statistics
+    over a right-padded batch have positions no answer reaches. Either way a
+    NaN in a selected entry raises `ValueError`.
 
     Taught in chapter 00.
     """
+    if empty not in MASKED_MEAN_EMPTY:
+        raise ValueError(f"masked_mean: `empty` must be one of {MASKED_MEAN_EMPTY}, got {empty!r}")
     m = as_bool_mask(mask, values, "masked_mean")
     check_no_nan("masked_mean", "values", values, m)
     m = m.expand_as(values) if m.shape != values.shape else m
     # torch.where rather than values * mask: NaN * 0 is NaN, and padding may hold anything.
     kept = torch.where(m, values, torch.zeros((), dtype=values.dtype, device=values.device))
     count = m.sum() if dim is None else m.sum(dim)
-    if bool((count == 0).any()):
+    if empty == "raise" and bool((count == 0).any()):
         where = "" if dim is None else f" along dim {dim} in some slice"
         raise ValueError(f"masked_mean: the mask selects no element{where}; the mean of nothing is undefined")
     total = kept.sum() if dim is None else kept.sum(dim)
-    return total / count.to(total.dtype)
+    mean = total / count.clamp(min=1).to(total.dtype)
+    if empty == "raise":
+        return mean
+    # 0/0 would be NaN too; `where` says so, and the division itself stays finite (count clamped to 1).
+    return torch.where(count > 0, mean, torch.full((), float("nan"), dtype=mean.dtype, device=mean.device))
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:

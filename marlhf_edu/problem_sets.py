@@ -50,7 +50,7 @@ def check_fix_shift(fn: Callable, seed: int = 0) -> CheckReport:
             return _compare(label, fn(logits.clone(), ids.clone()), expected, 1e-5, 1e-5)
         return label, run
 
-    return _run("check_fix_shift", [case("a batch of 3", 3, 6, 11), case("one sequence of 2 tokens", 1, 2, 5),
+    return _run("check_fix_shift", seed=seed, cases=[case("a batch of 3", 3, 6, 11), case("one sequence of 2 tokens", 1, 2, 5),
                                     case("a larger vocabulary", 2, 5, 257)])
 
 
@@ -73,7 +73,7 @@ def check_fix_kl_sign(fn: Callable, seed: int = 0) -> CheckReport:
                             1e-6, 1e-5)
         return label, run
 
-    return _run("check_fix_kl_sign", [case("beta 0.1", 0.1, 0.5), case("beta 0.5, policy far from reference", 0.5, 2.0),
+    return _run("check_fix_kl_sign", seed=seed, cases=[case("beta 0.1", 0.1, 0.5), case("beta 0.5, policy far from reference", 0.5, 2.0),
                                       case("beta 0 (score only)", 0.0, 1.0)])
 
 
@@ -103,7 +103,7 @@ def check_fix_whiten_order(fn: Callable, seed: int = 0) -> CheckReport:
                 _compare(f"{label} (returns)", got[1][mask], ret[mask], 1e-5, 1e-5)
         return label, run
 
-    return _run("check_fix_whiten_order", [case("rewards of scale 1", 1.0), case("rewards of scale 10", 10.0)])
+    return _run("check_fix_whiten_order", seed=seed, cases=[case("rewards of scale 1", 1.0), case("rewards of scale 10", 10.0)])
 
 
 @_withholds("marlhf_edu.masked.masked_whiten", "marlhf_edu.masked.masked_var")
@@ -122,7 +122,7 @@ def check_fix_whiten_stats(fn: Callable, seed: int = 0) -> CheckReport:
                             1e-5, 1e-5)
         return label, run
 
-    return _run("check_fix_whiten_stats", [case("zeros in the padding", 4, 9, 0.0), case("garbage in the padding", 4, 9, 50.0),
+    return _run("check_fix_whiten_stats", seed=seed, cases=[case("zeros in the padding", 4, 9, 0.0), case("garbage in the padding", 4, 9, 50.0),
                                            case("mostly padding", 6, 20, 0.0)])
 
 
@@ -143,7 +143,7 @@ def check_fix_score_position(fn: Callable, seed: int = 0) -> CheckReport:
             return _compare(label, fn(scores.clone(), mask.clone()), expected, 0, 0)
         return label, run
 
-    return _run("check_fix_score_position", [
+    return _run("check_fix_score_position", seed=seed, cases=[
         case("right padding", _padded_mask(gen, 5, 8).long()),
         case("no padding", torch.ones(3, 6, dtype=torch.long)),
         case("left padding", _padded_mask(gen, 5, 8, left=True).long()),
@@ -176,7 +176,7 @@ def check_fix_pad_eos(fn: Callable, seed: int = 0) -> CheckReport:
             return _compare(label, got.double() if isinstance(got, torch.Tensor) else got, expected.double(), 0, 0)
         return label, run
 
-    return _run("check_fix_pad_eos", [case("pad id differs from EOS", 0, False), case("pad id equals EOS", eos, False),
+    return _run("check_fix_pad_eos", seed=seed, cases=[case("pad id differs from EOS", 0, False), case("pad id equals EOS", eos, False),
                                       case("pad id equals EOS, left padding", eos, True)])
 
 
@@ -199,7 +199,7 @@ def check_fix_score_lands(fn: Callable, seed: int = 0) -> CheckReport:
             return _compare(label, torch.where(m, got, 0.0) if isinstance(got, torch.Tensor) else got, expected, 1e-6, 1e-6)
         return label, run
 
-    return _run("check_fix_score_lands", [case("no padding", torch.ones(3, 6)), case("right padding", _padded_mask(gen, 5, 8).float()),
+    return _run("check_fix_score_lands", seed=seed, cases=[case("no padding", torch.ones(3, 6)), case("right padding", _padded_mask(gen, 5, 8).float()),
                                           case("one real token", torch.tensor([[1.0, 0, 0], [1, 1, 0]]))])
 
 
@@ -225,7 +225,7 @@ def check_fix_value_positions(fn: Callable, seed: int = 0) -> CheckReport:
             return _compare(label, fn(values.clone(), R), values[:, L - R - 1:L - 1], 0, 0)
         return label, run
 
-    return _run("check_fix_value_positions", [case("4 response tokens after 6", 2, 10, 4), case("one response token", 3, 5, 1),
+    return _run("check_fix_value_positions", seed=seed, cases=[case("4 response tokens after 6", 2, 10, 4), case("one response token", 3, 5, 1),
                                               case("a one-token prompt", 2, 8, 7)])
 
 
@@ -283,7 +283,7 @@ def check_fix_switch(fn: Callable, seed: int = 0) -> CheckReport:
             return None
         return label, run
 
-    return _run("check_fix_switch", [case("to value", ["value"]), case("to value and back", ["value", "policy"]),
+    return _run("check_fix_switch", seed=seed, cases=[case("to value", ["value"]), case("to value and back", ["value", "policy"]),
                                      case("to reward and back", ["reward", "policy"])])
 
 
@@ -311,7 +311,7 @@ def check_fix_reference(fn: Callable, seed: int = 0) -> CheckReport:
             return None
         return label, run
 
-    return _run("check_fix_reference", [case("two sequences of 6", 2, 6), case("one sequence of 3", 1, 3)])
+    return _run("check_fix_reference", seed=seed, cases=[case("two sequences of 6", 2, 6), case("one sequence of 3", 1, 3)])
 
 
 @_withholds()
@@ -333,7 +333,7 @@ def check_fix_merge(fn: Callable, seed: int = 0) -> CheckReport:
             return _compare(label, fn(weight, A, B, alpha, r), expected, 1e-5, 1e-5)
         return label, run
 
-    return _run("check_fix_merge", [case("r = 4, alpha = 8", 6, 5, 4, 8), case("r = 16, alpha = 16", 12, 8, 16, 16),
+    return _run("check_fix_merge", seed=seed, cases=[case("r = 4, alpha = 8", 6, 5, 4, 8), case("r = 16, alpha = 16", 12, 8, 16, 16),
                                     case("r = 8, alpha = 32", 7, 9, 8, 32)])
 
 
@@ -355,4 +355,4 @@ def check_fix_lora_init(fn: Callable, seed: int = 0) -> CheckReport:
             return None
         return label, run
 
-    return _run("check_fix_lora_init", [case("64 → 64, r = 8", 64, 64, 8), case("16 → 32, r = 4", 16, 32, 4)])
+    return _run("check_fix_lora_init", seed=seed, cases=[case("64 → 64, r = 8", 64, 64, 8), case("16 → 32, r = 4", 16, 32, 4)])

@@ -151,6 +151,15 @@ def test_gguf_own_q4_1_dequantizer_is_withheld_too():
     assert gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_1).shape == (2, 32)  # restored
 
 
+def test_the_bootstrap_checkers_own_reference_is_withheld_too():
+    """Chapter 05's exercise could be passed by calling the checker's reference from the answer."""
+    report = ex.check_gae_bootstrap(lambda v, r, m, b, g, l: ex.gae_with_bootstrap_reference(v, r, m, b, g, l))
+    assert not report and all("withheld" in f for f in report.failures), report.failures
+    ones = torch.ones(1, 3)
+    advantages, _ = ex.gae_with_bootstrap_reference(ones, ones, ones, torch.zeros(1))  # restored after the check
+    assert torch.isfinite(advantages).all()
+
+
 def test_a_learners_warnings_and_stderr_stay_out_of_the_graded_cell(capsys):
     """nbgrader gives a graded cell 0 when anything reaches stderr, whatever its cases say: the checkers keep the
     learner's warnings and stderr lines out of the cell's output."""

@@ -2,6 +2,8 @@
 
 import random
 import tempfile
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,3 +148,81 @@ def test_trl_grpo_with_lora_matches_the_package():
     assert trl_loss == pytest.approx(ours.item(), abs=1e-6)
     assert abs(grpo_loss(lp, inputs["old_per_token_logps"], inputs["ref_per_token_logps"], out["advantages"], mask,
                          beta=0.04, kl_importance_weighted=False).item() - trl_loss) > 1e-6
+
+
+def _dr_grpo_batch():
+    """Four answers of 2, 7, 4 and 5 tokens, right-padded to T = 7: lengths differ, so normalisers differ."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([2, 7, 4, 5])
+    mask = torch.arange(7)[None, :] < lengths[:, None]
+    lp = -torch.rand(4, 7, generator=g, dtype=torch.float64)
+    old = lp + 0.3 * torch.randn(4, 7, generator=g, dtype=torch.float64)  # some ratios beyond 1 ± 0.2: clip acts
+    ref = lp - 0.5 * torch.rand(4, 7, generator=g, dtype=torch.float64)
+    adv = group_relative_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64), 4, scale="none")
+    return lp, old, ref, adv, mask, lengths
+
+
+def test_dr_grpo_divides_the_token_sum_by_a_constant():
+    lp, _, _, adv, mask, lengths = _dr_grpo_batch()
+    # at the old policy every token's loss is -A_b: the sum is -Σ_b A_b |o_b|, over B L = 4 × 10
+    ours = grpo_loss(lp, lp, None, adv, mask, aggregation="dr_grpo", max_length=10)
+    assert ours.item() == pytest.approx(-(adv * lengths).sum().item() / 40, abs=1e-15)
+    default = grpo_loss(lp, lp, None, adv, mask)
+    assert default.item() == pytest.approx(-adv.mean().item(), abs=1e-15)
+    assert abs(ours.item() - default.item()) > 0.04  # different lengths: the normalisers disagree (0.05 vs 0)
+    # each token's gradient weight: -A_b / (B L) under dr_grpo, whatever |o_b|; -A_b / (B |o_b|) under grpo
+    for aggregation, kw, per_answer in (("dr_grpo", {"max_length": 10}, torch.full((4,), 40.0, dtype=torch.float64)),
+                                        ("grpo", {}, 4.0 * lengths.double())):
+        x = lp.clone().requires_grad_(True)
+        grpo_loss(x, lp, None, adv, mask, aggregation=aggregation, **kw).backward()
+        expected = torch.where(mask, (-adv / per_answer)[:, None].expand(4, 7), 0.0)
+        assert torch.allclose(x.grad, expected, rtol=0, atol=1e-15)
+    # all answers as long as the limit: every normaliser is the same
+    full = torch.ones(4, 10, dtype=torch.bool)
+    lp10 = -torch.rand(4, 10, dtype=torch.float64)
+    assert grpo_loss(lp10, lp10, None, adv, full, aggregation="dr_grpo", max_length=10).item() == pytest.approx(
+        grpo_loss(lp10, lp10, None, adv, full).item(), abs=1e-15)
+    with pytest.raises(ValueError, match="needs `max_length`"):
+        grpo_loss(lp, lp, None, adv, mask, aggregation="dr_grpo")
+    with pytest.raises(ValueError, match="7 tokens, more than `max_length` = 6"):
+        grpo_loss(lp, lp, None, adv, mask, aggregation="dr_grpo", max_length=6)
+    with pytest.raises(ValueError, match="only used by aggregation 'dr_grpo'"):
+        grpo_loss(lp, lp, None, adv, mask, max_length=10)
+
+
+def _trl_compute_loss(loss_type, logprobs, old_logprobs, ref_logprobs, advantages, mask, beta, max_completion_length):
+    """trl 1.16's own `GRPOTrainer._compute_loss` on given log-probs, with no model: a stand-in `self` holds the
+    attributes `GRPOTrainer.__init__` sets from the config (trl/trainer/grpo_trainer.py, lines 782-983), and
+    returns `logprobs` as the model's per-token log-probs. Eval mode, so no gradient-accumulation division."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), loss_type=loss_type, beta=beta,
+                      max_completion_length=max_completion_length, bf16=False, use_cpu=True, report_to=[])
+    stub = SimpleNamespace(
+        args=args, loss_type=args.loss_type, beta=args.beta, max_completion_length=args.max_completion_length,
+        epsilon_low=args.epsilon, epsilon_high=args.epsilon_high if args.epsilon_high is not None else args.epsilon,
+        importance_sampling_level=args.importance_sampling_level, off_policy_mask_threshold=args.off_policy_mask_threshold,
+        top_entropy_quantile=args.top_entropy_quantile, use_vllm=args.use_vllm, aux_loss_enabled=False,
+        _entropy_bonus_enabled=args.entropy_coef != 0.0 or args.use_adaptive_entropy,
+        model=SimpleNamespace(training=False), _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        accelerator=SimpleNamespace(gather=lambda t: t, reduce=lambda t, reduction: t),  # one process
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logprobs, torch.zeros_like(logprobs), None))
+    B, T = mask.shape
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
+              "advantages": advantages, "old_per_token_logps": old_logprobs, "ref_per_token_logps": ref_logprobs}
+    return GRPOTrainer._compute_loss(stub, None, inputs)
+
+
+@pytest.mark.parametrize("loss_type, ours", [("dr_grpo", {"aggregation": "dr_grpo", "max_length": 12}),
+                                             ("grpo", {}), ("bnpo", {"aggregation": "bnpo"})])
+def test_trl_loss_types_match_the_package(loss_type, ours):
+    """trl's loss and its gradient per token log-prob, for its `loss_type`s that the package has. The answers
+    are padded to T = 7 < max_completion_length = 12: dr_grpo divides by B × 12, not by B × T."""
+    lp, old, ref, adv, mask, _ = _dr_grpo_batch()
+    x, y = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    theirs = _trl_compute_loss(loss_type, x, old, ref, adv, mask, beta=0.04, max_completion_length=12)
+    mine = grpo_loss(y, old, ref, adv, mask, beta=0.04, **ours)
+    assert mine.item() == pytest.approx(theirs.item(), rel=1e-12, abs=1e-15)
+    theirs.backward(), mine.backward()
+    assert torch.allclose(torch.where(mask, x.grad, 0.0), y.grad, rtol=0, atol=1e-12)  # float64 rounding apart

@@ -68,3 +68,41 @@ def test_last_valid_index_both_paddings():
     assert last_valid_index(left).tolist() == [3, 3, 3]
     with pytest.raises(ValueError, match="row 1"):
         last_valid_index(torch.tensor([[1, 0], [0, 0]]))
+
+
+def _trl_011_masked_mean(values, mask, axis=None):
+    """trl 0.11's masked_mean (trl/core.py), as written there: 0/0 = NaN where the mask selects nothing."""
+    if axis is not None:
+        return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+    return (values * mask).sum() / mask.sum()
+
+
+def test_masked_mean_empty_slices_nan_on_request(gen):
+    x = torch.randn(4, 6, generator=gen)
+    lengths = torch.tensor([3, 1, 4, 2])
+    m = (torch.arange(6)[None, :] < lengths[:, None]).float()  # positions 4 and 5: no answer reaches them
+    with pytest.raises(ValueError, match="selects no element along dim 0"):
+        masked_mean(x, m, dim=0)  # the default still raises
+    per_position = masked_mean(x, m, dim=0, empty="nan")
+    assert per_position.shape == (6,)
+    assert torch.isnan(per_position).tolist() == [False] * 4 + [True] * 2
+    for t in range(4):
+        assert torch.allclose(per_position[t], x[:, t][m[:, t].bool()].mean())
+    assert torch.allclose(per_position, _trl_011_masked_mean(x, m, axis=0), equal_nan=True)
+    # rows, and the whole tensor, the same way
+    m[1] = 0
+    per_row = masked_mean(x, m, dim=1, empty="nan")
+    assert torch.isnan(per_row).tolist() == [False, True, False, False]
+    assert torch.allclose(per_row, _trl_011_masked_mean(x, m, axis=1), equal_nan=True)
+    assert torch.isnan(masked_mean(x, torch.zeros(4, 6), empty="nan"))
+    assert torch.isnan(_trl_011_masked_mean(x, torch.zeros(4, 6)))
+    assert masked_mean(x, m, empty="nan") == masked_mean(x, m)  # nothing empty: the same as the default
+    # a NaN in a selected entry still raises; NaN in padding still does not matter
+    dirty = torch.where(m.bool(), x, torch.tensor(float("nan")))
+    assert torch.equal(masked_mean(dirty, m, dim=0, empty="nan").isnan(), per_position.isnan() | (m.sum(0) == 0))
+    dirty[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN .*index \(0, 0\)"):
+        masked_mean(dirty, m, dim=0, empty="nan")
+    with pytest.raises(ValueError, match="`empty` must be one of"):
+        masked_mean(x, m, empty="zero")
+

@@ -145,7 +145,7 @@ def test_every_figure_has_a_caption_and_a_name(nb_path):
     assert not missing, missing
 
 
-# The site wraps plain-text outputs at its text column (issue 36; about 76 characters at 1280 px), which breaks a
+# A narrow window (a phone, half a screen) wraps plain-text outputs at about 76 characters, which breaks a
 # text table's columns apart. Tables print with marlhf_edu.book.Table (a Markdown table on the site) or fit in 76.
 # What the rule still finds: the `marlhf-edu memory` and `preflight` commands' own reports (ch10, ch12, ch14),
 # a tensor printed over two lines (ch09), aligned prose and answer listings (ch10, ch11, ch12, ch15). The
@@ -250,3 +250,38 @@ def test_torch_floor_is_one_whose_weights_only_load_is_safe():
     (torch_req,) = [d for d in deps if re.match(r"torch\b", d)]
     floor = re.search(r">=\s*(\d+)\.(\d+)", torch_req)
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 6), torch_req
+
+
+# The book states facts about runs and machines, never the project's history. A phrase here is one that tells
+# that history; the exceptions are the uses that are not about the project (a reader panel of language-model
+# sessions, a CPU that issues kernels).
+HISTORY = re.compile(r"\b(sessions?|issues?|used to|since fixed|engine of the time|as it was then)\b", re.I)
+NOT_HISTORY = ("language-model sessions", "sessions of one language model", "the CPU issues")
+
+
+def history_phrases(text: str) -> list[str]:
+    """The lines of a chapter's prose (code cells left out) with a phrase that tells the project's history."""
+    prose = re.sub(r"```\{code-cell\}.*?```", "", text, flags=re.S)
+    found = []
+    for line in prose.splitlines():
+        kept = line
+        for allowed in NOT_HISTORY:
+            kept = re.sub(re.escape(allowed), "", kept, flags=re.I)
+        if HISTORY.search(kept):
+            found.append(line.strip())
+    return found
+
+
+@pytest.mark.parametrize("md_path", sorted((ROOT / "chapters").rglob("*.md")), ids=lambda p: p.stem)
+def test_prose_tells_no_project_history(md_path):
+    found = history_phrases(md_path.read_text())
+    assert not found, f"{md_path.name}: state what was measured, on what machine: {found}"
+
+
+def test_history_rule_sees_history_and_not_its_exceptions():
+    assert history_phrases("One H100 ran it in three of this book's sessions.\n")
+    assert history_phrases("The issue that asked for this benchmark set a target.\n")
+    assert history_phrases("Both used to load the model on the CPU.\n")
+    assert not history_phrases("The readers were language-model sessions, not people.\n")
+    assert not history_phrases("each a kernel that the CPU issues from Python\n")
+    assert not history_phrases("```{code-cell} ipython3\nsession = 1\n```\n")
