@@ -24,11 +24,11 @@ from matplotlib.text import Text
 from marlhf_edu.gae import gae_advantages
 from marlhf_edu.memory.plan import LLAMA_2_7B, MemorySettings, ModelShape, plan_four_model, plan_multi_adapter
 
-#: one palette for every diagram (and the README's picture): a step or stage, data, a frozen part, a trained
-#: part, the shared base, and an inactive (switched-off) adapter
+# one palette for every diagram (and the README's picture): a step or stage, data, a frozen part, a trained
+# part, the shared base, and an inactive (switched-off) adapter
 STEP, DATA, FROZEN, TRAINED, BASE, OFF = "#c6dbef", "#f0f0f0", "#d9d9d9", "#fdd0a2", "#bcbddc", "#ffffff"
 INK, MUTED = "#333333", "#666666"
-#: the q, k, v, o attention projections: the LoRA targets of MA-RLHF's 7B recipe (configs/llama2_7b)
+# the q, k, v, o attention projections: the LoRA targets of MA-RLHF's 7B recipe (configs/llama2_7b)
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 GIB = 2**30
 
@@ -74,8 +74,8 @@ def figure_texts(fig: Figure) -> list[str]:
 
 # ---- chapter 09 -------------------------------------------------------------------------------------------------
 
-#: (step, what it does and with which model, package code, timed phase, what it hands on) for each of the seven
-#: steps of `PPOTrainer.step`, in chapter 09's order and words
+# (step, what it does and with which model, package code, timed phase, what it hands on) for each of the seven
+# steps of `PPOTrainer.step`, in chapter 09's order and words
 PPO_STEPS = (
     ("1. Rollout", "the actor samples answers to the prompts\n(KV cache, temperature T; mask to the first EOS)",
      "PPOTrainer.rollout", "generate", "input_ids (B, P+R)\nresponse_mask (B, R)"),
@@ -139,10 +139,10 @@ def ppo_iteration() -> Figure:
 
 # ---- chapter 10 -------------------------------------------------------------------------------------------------
 
-#: the adapters `MultiAdapterBackend` loads on its one base, in the order drawn
+# the adapters `MultiAdapterBackend` loads on its one base, in the order drawn
 ADAPTERS = ("policy", "value", "reward")
-#: each forward of MA-PPO: (title, the adapter it switches on or None for all off, how, its heads as
-#: (name, trained), what comes out)
+# each forward of MA-PPO: (title, the adapter it switches on or None for all off, how, its heads as
+# (name, trained), what comes out)
 FORWARDS = (
     ("policy forward", "policy", "set_adapter(\"policy\")\n(the default)",
      (("LM head", False), ("value head\nif shared", True)), "log π (B, R), samples;\nvalues (B, R) when shared"),
@@ -300,8 +300,8 @@ def memory_budget(shape: ModelShape = LLAMA_2_7B, ma_lora_r: int = 64, reward_lo
 
 # ---- chapter 05 -------------------------------------------------------------------------------------------------
 
-#: the worked example `gae_recursion` draws: a five-token answer, a small KL charge on every token and the
-#: reward model's score (+1) added at the last one, and a critic's values
+# the worked example `gae_recursion` draws: a five-token answer, a small KL charge on every token and the
+# reward model's score (+1) added at the last one, and a critic's values
 GAE_EXAMPLE = {"rewards": (-0.02, -0.01, -0.03, -0.02, 0.98), "values": (0.3, 0.4, 0.5, 0.7, 0.9),
                "gamma": 1.0, "lam": 0.95}
 
@@ -372,8 +372,8 @@ def gae_recursion() -> Figure:
 
 # ---- chapter 15 -------------------------------------------------------------------------------------------------
 
-#: the 7B pipeline as `configs/llama2_7b/pipeline.yaml` runs it: (stage, command, what it reads, its output_dir,
-#: what it writes there)
+# the 7B pipeline as `configs/llama2_7b/pipeline.yaml` runs it: (stage, command, what it reads, its output_dir,
+# what it writes there)
 PIPELINE_STAGES = (
     ("sft", "marlhf-edu sft\nconfigs/llama2_7b/sft.yaml", "hf:meta-llama/Llama-2-7b-hf\nPKU-SafeRLHF answers",
      "runs/llama2_7b/sft/",
@@ -385,7 +385,7 @@ PIPELINE_STAGES = (
      "the reward adapter; PKU-SafeRLHF prompts", "runs/llama2_7b/ma_ppo/",
      "metrics.jsonl (a record a step)\ncheckpoints/ (the newest two)\npolicy/ (the trained adapter)"),
 )
-#: what runs after the pipeline, on its trained policy: (command, output_dir, what it writes)
+# what runs after the pipeline, on its trained policy: (command, output_dir, what it writes)
 AFTER_PIPELINE = (
     ("marlhf-edu evaluate", "runs/llama2_7b/eval/", "eval_metrics.json\neval_samples.jsonl"),
     ("marlhf-edu merge", "runs/llama2_7b/merged/", "the merged policy (bf16\nsafetensors) and tokenizer"),

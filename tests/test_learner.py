@@ -140,7 +140,7 @@ def test_the_rule_follows_what_each_cell_computes_from():
         cell.id = key
         cell.outputs = [nbformat.v4.new_output("stream", text=f"the output of {key}\n")]
         nb.cells.append(cell)
-    assert book.withheld_names(nb) == {"gae_advantages", "gae_advantages_reference"}
+    assert book.withheld_names(nb) == {"gae_advantages", "gae_advantages_reference", "gae_with_bootstrap_reference"}
     assert book.kept_outputs(nb) == {"setting", "called", "fresh", "rows", "helper", "loop"}
 
 
