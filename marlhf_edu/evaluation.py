@@ -375,3 +375,67 @@ def before_after_change(samples: Sequence[dict], harmful: bool, verdict: str, co
     order = list(sides["before"])
     return paired_bootstrap_difference([sides["before"][q] for q in order], [sides["after"][q] for q in order],
                                        confidence=confidence, n_boot=n_boot, seed=seed)
+
+
+# ---- best-of-n: the simplest optimiser of a reward model -------------------------------------------------------
+
+
+def best_of_n_kl(n: int) -> float:
+    r"""The KL divergence from the policy to its best-of-n, in nats (Stiennon et al. 2020, appendix G.3):
+
+    .. math:: \mathrm{KL}(\pi_{\text{bo}n} \,\|\, \pi) = \log n - \frac{n - 1}{n}
+
+    exact when the n answers' scores have no ties. 0 at n = 1; it grows like log n, so best-of-n reaches a
+    KL that PPO reaches in a few updates only with n in the thousands (chapter 13)."""
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"best_of_n_kl: n must be an int >= 1, got {n!r}")
+    return math.log(n) - (n - 1) / n
+
+
+def best_of_n_picks(proxy: Sequence[Sequence[float]], n: int) -> list[int]:
+    """Best-of-n by `proxy` (`Q` prompts × at least n scores): the index of each prompt's highest-scored answer
+    among its first n, the first on a tie."""
+    return [max(range(n), key=lambda j, p=p: (p[j], -j)) for p in proxy]
+
+
+def best_of_n_table(proxy: Sequence[Sequence[float]], gold: Sequence[Sequence[float]],
+                    ns: Sequence[int] = (1, 2, 4, 8, 16)) -> list[dict]:
+    """What best-of-n selection by a proxy (a reward model) buys in gold (a judge the proxy learned from), per n.
+
+    `proxy`, `gold`: `Q` prompts × `N` answers each, the same answers in the same order. For each n in `ns`
+    (at most N), best-of-n takes each prompt's first n answers and keeps the one the proxy scores highest
+    (`best_of_n_picks`: the first on a tie; the worst likewise the first of the lowest). Returns one dict per
+    n: `n`, `kl_nats` (`best_of_n_kl`), the mean over prompts of the gold of the proxy's pick (`gold_pick`), of
+    a random pick (`gold_random`, the mean of the n), of the gold's own pick (`gold_best`, the ceiling) and of
+    the proxy's worst (`gold_worst`); `gain` (`gold_pick - gold_random`) with `gain_std_error` (over prompts); `proxy_pick`
+    and `proxy_random`, the proxy's own scores of the same picks. A proxy that learned the gold has `gold_pick`
+    rising with n towards `gold_best`; one that did not stays at `gold_random`.
+
+    Taught in chapter 13.
+    """
+    fn = "best_of_n_table"
+    q = len(proxy)
+    if q == 0 or q != len(gold):
+        raise ValueError(f"{fn}: proxy has {q} prompts and gold {len(gold)}; need the same number, at least 1")
+    width = len(proxy[0])
+    if any(len(p) != width for p in proxy) or any(len(g) != width for g in gold):
+        raise ValueError(f"{fn}: every prompt needs the same number of answers in proxy and gold ({width})")
+    bad = [n for n in ns if not (isinstance(n, int) and 1 <= n <= width)]
+    if bad:
+        raise ValueError(f"{fn}: each n must lie in [1, {width}] (the answers per prompt), got {bad}")
+    rows = []
+    for n in ns:
+        picks = best_of_n_picks(proxy, n)
+        worst = [min(range(n), key=lambda j, p=p: (p[j], j)) for p in proxy]
+        gains = [g[i] - sum(g[:n]) / n for g, i in zip(gold, picks)]
+        mean_gain = sum(gains) / q
+        se = math.sqrt(sum((x - mean_gain) ** 2 for x in gains) / (q - 1) / q) if q > 1 else float("nan")
+        rows.append({"n": n, "kl_nats": best_of_n_kl(n),
+                     "gold_pick": sum(g[i] for g, i in zip(gold, picks)) / q,
+                     "gold_random": sum(sum(g[:n]) / n for g in gold) / q,
+                     "gold_best": sum(max(g[:n]) for g in gold) / q,
+                     "gold_worst": sum(g[i] for g, i in zip(gold, worst)) / q,
+                     "gain": mean_gain, "gain_std_error": se,
+                     "proxy_pick": sum(p[i] for p, i in zip(proxy, picks)) / q,
+                     "proxy_random": sum(sum(p[:n]) / n for p in proxy) / q})
+    return rows

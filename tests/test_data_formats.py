@@ -168,7 +168,7 @@ def test_a_hub_dataset_that_cannot_be_reached_is_a_data_error_naming_what_the_na
 
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
     with pytest.raises(DataFileError, match=r"dataset 'someone/prefs' \(split 'train'\) could not be read: it is not a "
-                                            r"shipped dataset \(hh-rlhf-harmless-base\), not a local .* "
+                                            r"shipped dataset \(everyday-prompts, hh-rlhf-harmless-base\), not a local .* "
                                             r"\(ConnectionError: Couldn't reach 'someone/prefs' on the Hub "
                                             r"\(OfflineModeIsEnabled\)\)\. Give a local file"):
         read_rows("someone/prefs", "train")

@@ -25,7 +25,9 @@ TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
 #: How PPO reads prompts from a dataset (`load_prompts` in marlhf_edu.stages.ppo).
 PROMPT_FORMATS = ("prompt", "hh-rlhf")
 #: What PPO optimises (`PPOConfig.reward`).
-REWARDS = ("reward_model", "keyword_judge", "canonical_refusal")
+REWARDS = ("reward_model", "keyword_judge", "canonical_refusal", "sentiment")
+#: The shipped prompts whose held-out split the sentiment judge (VADER, chapter 13) evaluates.
+SENTIMENT_DATASET = "everyday-prompts"
 #: KV caches the merged rollout copy can sample with (`PPOConfig.rollout_cache`, `merged_rollout.MergedPolicy`).
 ROLLOUT_CACHES = ("dynamic", "static")
 #: Settings a resume may change freely: they do not define what has been trained so far.
@@ -84,7 +86,7 @@ class PPOConfig:
     # ---- scores ---------------------------------------------------------------------------
     truncated_scoring: str = field(default="append_eos", metadata={"help": "how the reward model reads a response cut off at max_new_tokens (no EOS): 'append_eos' (default) scores it with EOS appended, as the reward model was trained on EOS-terminated texts, and missing_eos_penalty then charges the truncation; 'last_token' reads it at its last generated token, mid-sentence, out of the reward model's training distribution (the trap chapter 13 shows)"})
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
-    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score); on hh-rlhf data also a positive control (chapter 13), with the book's harmless training questions paid 1 for a right answer: 'canonical_refusal' (on a red-team prompt the share of a canonical refusal said from the first word, 1 only for the whole answer being one: keyword_judge.canonical_refusal_score) or 'keyword_judge' (1 for any refusal by the judge's keywords that is not a hollow apology: gamed by 'I can't think of ...'). The reward model's score is logged either way (score/reward_model_mean)"})
+    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score); on hh-rlhf data also a positive control (chapter 13), with the book's harmless training questions paid 1 for a right answer: 'canonical_refusal' (on a red-team prompt the share of a canonical refusal said from the first word, 1 only for the whole answer being one: keyword_judge.canonical_refusal_score) or 'keyword_judge' (1 for any refusal by the judge's keywords that is not a hollow apology: gamed by 'I can't think of ...'); on any data 'sentiment', VADER's compound score of the answer in [-1, 1] (sentiment_judge.sentiment_reward, chapter 13's positive control for the sentiment experiment). The reward model's score is logged either way (score/reward_model_mean)"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "answers sampled to each prompt of a batch (batch_size must be a multiple): batch_size / k distinct prompts, each k times"})
     group_baseline: bool = field(default=False, metadata={"help": "subtract from each score the mean score of the other answers to its prompt (leave-one-out, as RLOO): the reward model is only asked which answer to a prompt is better. Needs rollouts_per_prompt > 1"})
@@ -204,11 +206,15 @@ class PPOConfig:
         need(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
              f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
         need(self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}")
-        need(self.reward == "reward_model" or self.dataset_format == "hh-rlhf",
+        need(self.reward in ("reward_model", "sentiment") or self.dataset_format == "hh-rlhf",
              f"reward: {self.reward} judges refusals of red-team requests: it needs dataset_format: hh-rlhf")
-        need(not self.eval_every or self.dataset_name == "toy" or self.dataset_format == "hh-rlhf",
-             f"eval_every: {self.eval_every} needs a judge with held-out prompts, the toy world's or the keyword "
-             "judge's (dataset_format: hh-rlhf); set eval_every: 0 for this data")
+        need(self.dataset_name != SENTIMENT_DATASET or self.dataset_split == "train",
+             f"dataset_name: {SENTIMENT_DATASET} trains on its train split (its held_out split is the sentiment "
+             f"judge's evaluation), got dataset_split: {self.dataset_split!r}")
+        need(not self.eval_every or self.dataset_name in ("toy", SENTIMENT_DATASET) or self.dataset_format == "hh-rlhf",
+             f"eval_every: {self.eval_every} needs a judge with held-out prompts, the toy world's, the keyword "
+             f"judge's (dataset_format: hh-rlhf) or the sentiment judge's (dataset_name: {SENTIMENT_DATASET}); set "
+             "eval_every: 0 for this data")
         need(self.eval_every >= 0 and self.eval_every_prompts >= 2,
              f"eval_every must be >= 0 and eval_every_prompts >= 2, got {self.eval_every} and {self.eval_every_prompts}")
         need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.merged_rollout),

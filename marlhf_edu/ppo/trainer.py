@@ -638,36 +638,44 @@ def fork_all_rngs():
 
 
 def sample_responses(backend: PPOBackend, prompts: list[str], max_new_tokens: int = 32, temperature: float = 1.0,
-                     batch_size: int = 64, seed: int = 0) -> list[str]:
-    """Sampled responses of the backend's current policy, without touching the training RNG stream."""
+                     batch_size: int = 64, seed: int = 0,
+                     with_finished: bool = False) -> list[str] | tuple[list[str], list[bool]]:
+    """Sampled responses of the backend's current policy, without touching the training RNG stream. With
+    `with_finished`, also whether each ended with EOS (False: cut off at `max_new_tokens`), read from the sampled
+    ids: `(responses, finished)`."""
     tok = backend.tokenizer
-    out = []
+    out, finished = [], []
     with fork_all_rngs():
         torch.manual_seed(seed)  # seeds CPU and every CUDA device; fork_all_rngs restores them all
         for start in range(0, len(prompts), batch_size):
             enc = tok(prompts[start:start + batch_size], return_tensors="pt", padding=True, padding_side="left").to(backend.device)
             ids = backend.generate(enc["input_ids"], enc["attention_mask"], max_new_tokens=max_new_tokens,
                                    temperature=temperature)
-            out += tok.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return [text.strip() for text in out]
+            new = ids[:, enc["input_ids"].shape[1]:]
+            finished += (new == tok.eos_token_id).any(dim=1).tolist()
+            out += tok.batch_decode(new, skip_special_tokens=True)
+    texts = [text.strip() for text in out]
+    return (texts, finished) if with_finished else texts
 
 
 def sample_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int = 32, seed: int = 0,
                temperature: float = 1.0) -> list[dict]:
     """One record per sampled answer to the toy world's held-out prompts, each asked `repeats` times:
-    question, kind, response, the judge's verdict, the gold reward and the reward model's score.
+    question, kind, response, whether it ended with EOS (`finished`), the judge's verdict, the gold reward and the
+    reward model's score.
 
     Chapter 11 builds its intervals from these records (`marlhf_edu.evaluation.group_outcomes`)."""
     prompts = [p for p in world.eval_prompts for _ in range(repeats)]
-    responses = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, temperature, seed=seed)
+    responses, finished = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, temperature,
+                                           seed=seed, with_finished=True)
     # scored as the reward model was trained: the book's " answer" after the toy prompt, the bare answer after a
     # chat template's assistant header
     template = template_for(backend.tokenizer)
     texts = [p.prompt + template.completion(r) for p, r in zip(prompts, responses)]
     scores = score_texts_with(backend.scores, backend.tokenizer, texts, device=backend.device)
-    return [{"question": p.question, "kind": p.kind, "response": r, "verdict": world.judge(p, r),
+    return [{"question": p.question, "kind": p.kind, "response": r, "finished": f, "verdict": world.judge(p, r),
              "gold": world.gold_reward(p, r), "reward_model_score": float(s)}
-            for p, r, s in zip(prompts, responses, scores.tolist())]
+            for p, r, f, s in zip(prompts, responses, finished, scores.tolist())]
 
 
 def toy_metrics(world, samples: list[dict], repeats: int) -> dict:

@@ -37,6 +37,11 @@ class RMScriptArguments(DataArguments):
                                                             "real answers: refusals to harmful requests, right "
                                                             "answers to harmless questions "
                                                             "(marlhf_edu.keyword_judge.evasion_pairs, chapter 13)"})
+    eval_pairs_file: str = field(default="", metadata={"help": "a local .jsonl of held-out pairs in trl's format "
+                                                              "(prompt, chosen, rejected), scored before and after "
+                                                              "training like eval_split's (the first eval_pairs); "
+                                                              "for pairs made from a model's own answers to "
+                                                              "held-out prompts (chapter 13); empty = none"})
     extra_pairs_file: str = field(default="", metadata={"help": "a local .jsonl of pairs in trl's format (prompt, "
                                                                "chosen, rejected; chat-rendered prompts) added to the "
                                                                "training pairs, e.g. the policy's own answers "
@@ -162,6 +167,9 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
                                          resume_checkpoint, select_rows, torch_dtype)
 
     check_output_dir("rm", script_args, training_args)  # before anything loads
+    if script_args.eval_pairs_file and script_args.eval_split:
+        raise ConfigError(f"eval_split: {script_args.eval_split} and eval_pairs_file: {script_args.eval_pairs_file} "
+                          "both name held-out pairs: give one")
     peft_config = get_peft_config(model_args)
     if script_args.score_head_init not in ("random", "probe"):
         raise ConfigError(f"score_head_init must be 'random' or 'probe', got {script_args.score_head_init!r}")
@@ -188,6 +196,17 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
         if script_args.max_tokens:
             held_out = select_rows(held_out, tokenizer, replace(script_args, max_rows=0), "held-out preference")
         held_out = held_out.select(range(min(script_args.eval_pairs or len(held_out), len(held_out)))).to_list()
+    if script_args.eval_pairs_file:  # read before the model loads: a bad row names the file, the row and the key
+        from marlhf_edu.data import load_preferences
+        from marlhf_edu.errors import BadRowError
+
+        try:
+            held_out = load_preferences(script_args.eval_pairs_file, "trl", tokenizer=tokenizer)
+        except BadRowError as err:
+            raise err.refused_in(f"eval_pairs_file {script_args.eval_pairs_file}",
+                                 hint="fix the row: these rows are never skipped") from None
+        held_out = held_out.to_list()[:script_args.eval_pairs or None]
+        check_lengths(held_out, tokenizer, training_args.max_length)
     dtype = torch_dtype(model_args)
     model = AutoModelForSequenceClassification.from_pretrained(
         resolve_model(model_args.model_name_or_path), num_labels=1, **quantization_and_device_map(model_args),
@@ -197,10 +216,12 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
     before = probe = probe_eval = None
     if held_out:  # the untrained score head on the same backbone: the chance-level reference
         model.eval()
+        print(f"scoring {len(held_out)} held-out pairs with the untrained score head", flush=True)
         before = evaluate_reward_model(model, tokenizer, held_out, eval_batch)
     if script_args.score_head_init == "probe":  # before peft wraps the model, so `score`'s trained copy starts here
         from marlhf_edu.reward_probe import probe_score_head
 
+        print(f"fitting the score head on the frozen backbone's features of {len(dataset)} pairs", flush=True)
         probe = probe_score_head(model, tokenizer, dataset.to_list())
         print(f"score head probed on {len(dataset)} pairs: L2 {probe.l2:g} (cross-validated), "
               f"train accuracy {probe.train_accuracy:.3f}")
