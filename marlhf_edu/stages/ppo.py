@@ -20,7 +20,7 @@ import pathlib
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.ppo.config import SENTIMENT_DATASET
 from marlhf_edu.sentiment_judge import (SentimentJudge, distinct_n, eos_rate, mean_tokens, mean_words,
-                                        repeated_trigram_share)
+                                        repeated_trigram_share, sentiment_reward)
 
 
 def load_prompts(config, tokenizer=None) -> list[str]:
@@ -108,7 +108,8 @@ def judge_policy(backend, world, repeats: int, max_new_tokens: int, temperature:
     """`(metrics, samples)`: the judge's rates of `repeats` sampled answers per prompt and their mean reward-model
     score; with the keyword judge, also how well the reward model ranks its refusals above its compliances
     (`judge_auc`, chapter 13); with the sentiment judge, the guards VADER cannot see (repeated trigrams,
-    distinct-2, length, EOS rate, the mean log-probability under the SFT model; `marlhf_edu.sentiment_judge`). Used by the PPO stages before and after training and by `marlhf-edu evaluate`."""
+    distinct-2, length, EOS rate, the mean log-probability under the SFT model; `marlhf_edu.sentiment_judge`).
+    Used by the PPO stages before and after training and by `marlhf-edu evaluate`."""
     from marlhf_edu.keyword_judge import KeywordJudge, judge_agreement
     from marlhf_edu.ppo.trainer import sample_toy, toy_metrics
 
@@ -388,7 +389,6 @@ def _run(config, backend_factory, progress: bool, checked, prompts: list[str], j
     if config.reward != "reward_model":  # chapter 13's positive controls: a judge's verdict as the reward
         from marlhf_edu.data.template import template_for
         from marlhf_edu.keyword_judge import canonical_refusal_reward, keyword_reward
-        from marlhf_edu.sentiment_judge import sentiment_reward  # noqa: I001 (beside its siblings, as they are)
 
         reward_fn = {"keyword_judge": keyword_reward, "canonical_refusal": canonical_refusal_reward,
                      "sentiment": sentiment_reward}[config.reward](
