@@ -217,8 +217,8 @@ def ended_with_eos(answers: list[str], tokenizer, max_new_tokens: int, slack: in
     """Whether each answer ended with EOS before the length limit, read from its text: True when `tokenizer`
     encodes it (no special tokens) in fewer than `max_new_tokens - slack` tokens.
 
-    For records written without the sampler's own flag (the PPO stage's `eval_samples.jsonl` keeps `question`,
-    `kind`, `response`, `verdict`, `gold`, `reward_model_score`, `when`): the decoded text, stripped and encoded
+    For records written without the sampler's own flag (the engine's `eval_samples.jsonl` has `finished`, read
+    from the sampled ids; bare texts and other tools' records may not): the decoded text, stripped and encoded
     again, can take a token or two fewer than were sampled, so an answer that ended with EOS within `slack`
     tokens of the limit counts as cut off (the rule `tools/policy_pairs_smollm2.py` writes as `finished`).
     """
