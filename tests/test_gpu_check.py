@@ -151,8 +151,10 @@ def test_the_committed_fast_launch_record_meets_the_step_target():
     assert fast["rollout_cache"] == "static" and fast["micro_batch_size"] == 4 and fast["steps"] == 5
     assert all(fast["checks"].values()) and fast["median_step_after_first_s"] <= 10.0
     assert plain["rollout_cache"] == "dynamic" and min(plain["seconds"]["time/step_s"][1:]) > 10.0
-    h200 = json.loads((ROOT / "benchmarks" / "gpu_check_h200.json").read_text())
-    assert h200["machine"]["gpu"] == "NVIDIA H200" and all(h200["ppo_fast"]["checks"].values())
+    for name in ("gpu_check_h200.json", "gpu_check_h200_second.json"):
+        h200 = json.loads((ROOT / "benchmarks" / name).read_text())
+        assert h200["machine"]["gpu"] == "NVIDIA H200" and all(h200["ppo_fast"]["checks"].values())
+        assert h200["ppo_fast"]["rollout_cache"] == "static" and h200["ppo_merged"]["rollout_cache"] == "dynamic"
 
 
 def test_a_record_from_another_machine_is_not_merged(tmp_path):
