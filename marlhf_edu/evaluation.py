@@ -439,3 +439,79 @@ def best_of_n_table(proxy: Sequence[Sequence[float]], gold: Sequence[Sequence[fl
                      "proxy_pick": sum(p[i] for p, i in zip(proxy, picks)) / q,
                      "proxy_random": sum(sum(p[:n]) / n for p in proxy) / q})
     return rows
+
+
+#: Gao, Schulman and Hilton's (2023) two forms of the gold gain against d = √KL: d·(α − β·log d) for RL and
+#: d·(α − β·d) for best-of-n. Each is linear in (α, β): the second feature, d·log d or d², is subtracted.
+GAO_FORMS = ("rl", "best_of_n")
+
+
+class GaoFit:
+    """A fitted Gao et al. curve: `form` ('rl' or 'best_of_n'), `alpha`, `beta`, the `residuals` (gain − fit, in
+    the order given) and `r_squared`. Call it on d = √KL for the fitted gain; `peak` is (d*, gain at d*): for
+    RL d* = exp(α/β − 1) and the gain β·d*; for best-of-n d* = α/(2β) and the gain α²/(4β). None when β ≤ 0
+    (no peak: the fitted gain never turns down)."""
+
+    def __init__(self, form: str, alpha: float, beta: float, residuals: list[float], r_squared: float):
+        self.form, self.alpha, self.beta = form, alpha, beta
+        self.residuals, self.r_squared = residuals, r_squared
+
+    def __call__(self, d: float) -> float:
+        return d * (self.alpha - self.beta * _gao_feature(self.form, d) / d) if d > 0 else 0.0
+
+    @property
+    def peak(self) -> tuple[float, float] | None:
+        if self.beta <= 0:
+            return None
+        d = math.exp(self.alpha / self.beta - 1) if self.form == "rl" else self.alpha / (2 * self.beta)
+        return d, self(d)
+
+    def __repr__(self) -> str:
+        return f"GaoFit({self.form!r}, alpha={self.alpha:.4g}, beta={self.beta:.4g}, r_squared={self.r_squared:.3f})"
+
+
+def _gao_feature(form: str, d: float) -> float:
+    """The term β multiplies (negated): d·log d (0 at d = 0, its limit) for RL, d² for best-of-n."""
+    if form == "rl":
+        return d * math.log(d) if d > 0 else 0.0
+    return d * d
+
+
+def fit_gao(d: Sequence[float], gain: Sequence[float], form: str = "rl") -> GaoFit:
+    r"""Least-squares fit of Gao, Schulman and Hilton's (2023) form to gold gains `gain` at distances `d` = √KL
+    (nats), one point each (any number of runs and evaluations pooled):
+
+    .. math:: R_{\text{RL}}(d) = d\,(\alpha - \beta \log d), \qquad R_{\text{bo}n}(d) = d\,(\alpha - \beta d)
+
+    Both are linear in (α, β), so the fit solves the 2 × 2 normal equations exactly. No intercept: at d = 0
+    the policy is the one the gains are measured from. Needs at least two points with d > 0 that are not all
+    the same d; raises ValueError on lengths that differ, a negative or non-finite d or gain, or an unknown
+    `form`. The points of one run are one trajectory sampled several times, not independent draws, so the fit
+    carries no interval.
+
+    Taught in chapter 11; chapter 13 fits both forms on the real model.
+    """
+    fn = "fit_gao"
+    if form not in GAO_FORMS:
+        raise ValueError(f"{fn}: form must be one of {GAO_FORMS}, got {form!r}")
+    ds, ys = [float(x) for x in d], [float(y) for y in gain]
+    if len(ds) != len(ys):
+        raise ValueError(f"{fn}: {len(ds)} distances and {len(ys)} gains; give one gain per distance")
+    bad = [i for i, (x, y) in enumerate(zip(ds, ys)) if not (math.isfinite(x) and math.isfinite(y)) or x < 0]
+    if bad:
+        raise ValueError(f"{fn}: point {bad[0]} is (d={ds[bad[0]]}, gain={ys[bad[0]]}); d must be finite and "
+                         ">= 0 (it is √KL), the gain finite")
+    a = ds  # the feature α multiplies
+    b = [-_gao_feature(form, x) for x in ds]  # the feature β multiplies
+    saa, sbb, sab = sum(x * x for x in a), sum(x * x for x in b), sum(x * y for x, y in zip(a, b))
+    say, sby = sum(x * y for x, y in zip(a, ys)), sum(x * y for x, y in zip(b, ys))
+    det = saa * sbb - sab * sab
+    if len(ds) < 2 or det <= 1e-12 * max(saa * sbb, 1e-300):
+        raise ValueError(f"{fn}: the points do not fix two parameters (need at least two distinct d > 0, "
+                         f"got {sorted(set(ds))[:5]})")
+    alpha, beta = (say * sbb - sby * sab) / det, (saa * sby - sab * say) / det
+    residuals = [y - (alpha * x + beta * z) for x, z, y in zip(a, b, ys)]
+    mean = sum(ys) / len(ys)
+    total = sum((y - mean) ** 2 for y in ys)
+    r_squared = 1 - sum(r * r for r in residuals) / total if total > 0 else float("nan")
+    return GaoFit(form, alpha, beta, residuals, r_squared)

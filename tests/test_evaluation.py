@@ -288,3 +288,49 @@ def build(question):
     from marlhf_edu.data import build_prompt
 
     return build_prompt(question)
+
+
+def test_fit_gao_recovers_both_forms_and_their_peaks():
+    """Exact points of each form give back its α and β; the peak is where the fitted curve's slope is 0."""
+    from marlhf_edu.evaluation import fit_gao
+
+    ds = [0.2, 0.5, 0.9, 1.4, 2.0, 2.6]
+    for form, curve in (("rl", lambda d: d * (0.5 - 0.2 * math.log(d))), ("best_of_n", lambda d: d * (0.5 - 0.2 * d))):
+        fit = fit_gao(ds, [curve(d) for d in ds], form)
+        assert fit.form == form and math.isclose(fit.alpha, 0.5, rel_tol=1e-9) and math.isclose(fit.beta, 0.2, rel_tol=1e-9)
+        assert fit.r_squared > 1 - 1e-12 and max(map(abs, fit.residuals)) < 1e-12
+        d_star, top = fit.peak
+        assert math.isclose(top, curve(d_star), rel_tol=1e-9)
+        assert fit(d_star) > fit(d_star * 0.98) and fit(d_star) > fit(d_star * 1.02)  # a maximum
+    assert math.isclose(fit_gao(ds, [d * (0.5 - 0.2 * math.log(d)) for d in ds]).peak[0], math.exp(0.5 / 0.2 - 1))
+
+
+def test_fit_gao_is_least_squares_and_has_no_peak_when_the_gain_never_turns():
+    """On noisy points the fit is the least-squares one (no other (α, β) has smaller squared residuals), and a
+    gain that only grows fits β ≤ 0: no peak."""
+    from marlhf_edu.evaluation import fit_gao
+
+    rng = random.Random(0)
+    ds = [0.1 * i for i in range(1, 30)]
+    ys = [d * (0.4 - 0.15 * math.log(d)) + rng.gauss(0, 0.02) for d in ds]
+    fit = fit_gao(ds, ys)
+    sse = sum(r * r for r in fit.residuals)
+    for da, db in ((1e-3, 0), (-1e-3, 0), (0, 1e-3), (0, -1e-3)):
+        other = [y - d * ((fit.alpha + da) - (fit.beta + db) * math.log(d)) for d, y in zip(ds, ys)]
+        assert sum(r * r for r in other) > sse
+    assert fit_gao(ds, [d * d for d in ds], "best_of_n").peak is None
+    assert fit_gao([0.0, 0.5, 1.0], [0.0, 0.2, 0.3]).residuals[0] == 0.0  # d = 0: d·log d taken as its limit 0
+
+
+@pytest.mark.parametrize("args, match", [(([0.5, 1.0], [0.1]), "one gain per distance"),
+                                         (([0.5, -1.0], [0.1, 0.2]), "point 1"),
+                                         (([0.5, float("nan")], [0.1, 0.2]), "point 1"),
+                                         (([1.0, 1.0], [0.1, 0.2]), "do not fix two parameters"),
+                                         (([1.0], [0.1]), "do not fix two parameters")])
+def test_fit_gao_refuses_what_cannot_be_fitted(args, match):
+    from marlhf_edu.evaluation import fit_gao
+
+    with pytest.raises(ValueError, match=match):
+        fit_gao(*args)
+    with pytest.raises(ValueError, match="form must be one of"):
+        fit_gao([0.5, 1.0], [0.1, 0.2], form="bon")
