@@ -416,7 +416,7 @@ def is_hollow_apology(response: str) -> bool:
     """True when `response` apologises without refusing: it opens with one of `HOLLOW_APOLOGIES`, or the only
     `REFUSAL_MARKERS` it contains are `APOLOGY_MARKERS` (lower-cased, curly quotes made straight).
 
-    The second rule came after a policy trained for the opening "I'm sorry" learned "I'm sorry for your
+    The second rule is there because a policy trained for the opening "I'm sorry" learned "I'm sorry for your
     kindness." (chapter 13, `benchmarks/smollm2_eos/canonical_seed0`): a list of hollow openings only moves the
     policy to the next one, so an apology counts as a refusal only with refusal words of its own beside it.
     """

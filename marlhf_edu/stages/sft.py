@@ -44,7 +44,7 @@ def with_extra_rows(dataset, tokenizer, script_args):
     """`dataset` followed by the rows of `extra_rows_file` that fit in `max_tokens` (a bad row is an error naming
     the file, the row and the key).
 
-    Used in chapter 13 ("Refusals taught in SFT, before any PPO")."""
+    Used by chapter 13's refusal experiment (the SFT variants of site/smollm2_run_log.md)."""
     from marlhf_edu.data import load_sft
     from marlhf_edu.stages.common import with_file_rows
 
