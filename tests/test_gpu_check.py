@@ -155,6 +155,9 @@ def test_the_committed_fast_launch_record_meets_the_step_target():
         h200 = json.loads((ROOT / "benchmarks" / name).read_text())
         assert h200["machine"]["gpu"] == "NVIDIA H200" and all(h200["ppo_fast"]["checks"].values())
         assert h200["ppo_fast"]["rollout_cache"] == "static" and h200["ppo_merged"]["rollout_cache"] == "dynamic"
+    third = json.loads((ROOT / "benchmarks" / "gpu_check_h200_third.json").read_text())
+    assert third["machine"]["gpu"] == "NVIDIA H200" and all(third["ppo_fast"]["checks"].values())
+    assert third["ppo_fast"]["rollout_cache"] == "static" and third["ppo_fast"]["median_step_after_first_s"] <= 10.0
 
 
 def test_a_record_from_another_machine_is_not_merged(tmp_path):
