@@ -458,7 +458,7 @@ class GaoFit:
         self.residuals, self.r_squared = residuals, r_squared
 
     def __call__(self, d: float) -> float:
-        return d * (self.alpha - self.beta * _gao_feature(self.form, d) / d) if d > 0 else 0.0
+        return self.alpha * d - self.beta * _gao_feature(self.form, d)  # the fit's own features, 0 at d = 0
 
     @property
     def peak(self) -> tuple[float, float] | None:

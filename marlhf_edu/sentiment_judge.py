@@ -15,6 +15,8 @@ for the human labellers:
   evaluation also reports what it cannot see: `repeated_trigram_share`, `distinct_n`, `mean_words` and
   `mean_tokens`, `eos_rate`, and `answer_mean_logprobs` under the SFT model. `sentiment_report` gives them all
   for one set of answers.
+* **The change.** `gold_change`: the gold score after training against before, paired by question, over one
+  run's evaluation or several runs' pooled.
 
 Taught in chapter 13.
 """
@@ -33,6 +35,7 @@ from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 from marlhf_edu.data.everyday import everyday_prompts
 from marlhf_edu.data.template import template_for
 from marlhf_edu.dpo import completion_logprobs
+from marlhf_edu.evaluation import paired_bootstrap_difference
 from marlhf_edu.keyword_judge import JudgedPrompt
 
 #: VADER's authors' thresholds on the compound score: at least this is positive, at most minus this negative.
@@ -324,3 +327,47 @@ def sentiment_report(samples: list[dict], tokenizer=None, model=None, max_new_to
                     if not math.isnan(x)]
         report["mean_logprob"] = sum(logprobs) / len(logprobs) if logprobs else float("nan")
     return report
+
+
+def gold_by_question(samples: list[dict], when: str) -> dict[str, list[float]]:
+    """Each question's gold scores on one side of training: `samples` are a run's evaluation rows (`question`,
+    `when` = 'before' or 'after', `gold`, as `eval_samples.jsonl` holds them); the questions in first-seen order."""
+    per: dict[str, list[float]] = {}
+    for i, s in enumerate(samples):
+        missing = [key for key in ("question", "when", "gold") if key not in s]
+        if missing:
+            raise ValueError(f"gold_by_question: sample {i} has no {missing[0]!r}")
+        if s["when"] not in ("before", "after"):
+            raise ValueError(f"gold_by_question: sample {i} has when={s['when']!r}; expected 'before' or 'after'")
+        if s["when"] == when:
+            per.setdefault(s["question"], []).append(s["gold"])
+    return per
+
+
+def gold_change(runs: list[list[dict]], confidence: float = 0.95) -> tuple[float, float, float]:
+    r"""(gold after − gold before, low, high), paired by question, over one or more runs' evaluation rows.
+
+    `runs[r]` is run r's evaluation samples (see `gold_by_question`). Each held-out question q pools its answers
+    from every run, and `evaluation.paired_bootstrap_difference` (chapter 12) resamples questions:
+
+    .. math:: \Delta = \frac{\sum_q \sum_{r} a_{qr}}{\sum_q n^a_q} - \frac{\sum_q \sum_{r} b_{qr}}{\sum_q n^b_q}
+
+    With one run it is that run's change. With several it holds those runs' policies fixed and counts how the
+    questions vary: a t-interval over the runs' own changes (`evaluation.mean_interval`) is the one that counts
+    how seeds vary. Runs whose "before" answers are the same sample (the book's runs: the evaluation draws with
+    its own seed) repeat them once per run, which leaves each question's mean unchanged. Raises ValueError when a
+    run asks other questions than the first, or a question lacks answers on one side.
+    """
+    if not runs:
+        raise ValueError("gold_change: no runs")
+    sides = [(gold_by_question(s, "before"), gold_by_question(s, "after")) for s in runs]
+    questions = list(sides[0][0])
+    for r, (before, after) in enumerate(sides):
+        for name, side in (("before", before), ("after", after)):
+            if set(side) != set(questions):
+                odd = sorted(set(side) ^ set(questions))
+                raise ValueError(f"gold_change: run {r}'s {name} answers cover other questions than run 0's "
+                                 f"before answers (e.g. {odd[0]!r}); pair runs over the same held-out questions")
+    pooled = [([x for before, _ in sides for x in before[q]], [x for _, after in sides for x in after[q]])
+              for q in questions]
+    return paired_bootstrap_difference([b for b, _ in pooled], [a for _, a in pooled], confidence=confidence)

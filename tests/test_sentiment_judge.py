@@ -12,7 +12,8 @@ from marlhf_edu.errors import DataFileError
 from marlhf_edu.logprobs import logprobs_from_logits
 from marlhf_edu.models import load_tokenizer
 from marlhf_edu.sentiment_judge import (SentimentJudge, answer_mean_logprobs, answer_words, distinct_n,
-                                        ended_with_eos, eos_rate, mean_tokens, mean_words, repeated_trigram_share,
+                                        ended_with_eos, eos_rate, gold_by_question, gold_change, mean_tokens,
+                                        mean_words, repeated_trigram_share,
                                         repeats_trigram, sentiment_pairs, sentiment_report, sentiment_reward,
                                         vader_compound)
 
@@ -273,3 +274,48 @@ def test_sentiment_report_gives_vader_and_every_guard(tok, tiny_model):
     assert full["mean_logprob"] == pytest.approx(sum(logprobs) / 3, abs=1e-5)
     with pytest.raises(ValueError, match="sample 0 has none"):
         sentiment_report([{"response": PLAIN}], tok, tiny_model)
+
+
+def _rows(question_scores: dict[str, tuple[list[float], list[float]]]) -> list[dict]:
+    """Evaluation rows as eval_samples.jsonl holds them: (before, after) gold scores per question."""
+    return [{"question": q, "when": when, "gold": g} for q, sides in question_scores.items()
+            for when, golds in zip(("before", "after"), sides) for g in golds]
+
+
+def test_gold_change_is_paired_by_question():
+    """Every question moved by exactly +0.3 while the questions differ widely: paired, the interval is the shift
+    itself (an unpaired interval would be as wide as the questions' spread)."""
+    run = _rows({f"q{i}": ([x, x + 0.2], [x + 0.3, x + 0.5]) for i, x in enumerate((-0.9, -0.4, 0.0, 0.5, 0.6))})
+    change, low, high = gold_change([run])
+    assert change == pytest.approx(0.3) and low == pytest.approx(0.3) and high == pytest.approx(0.3)
+    assert list(gold_by_question(run, "after")) == [f"q{i}" for i in range(5)]
+
+
+def test_gold_change_pools_runs_per_question():
+    """Two runs with the same answers before: each question's after-answers from both runs count, so the pooled
+    change is the mean after over both runs minus the shared before; the interval is a bootstrap over questions."""
+    before = {"a": [0.0, 0.2], "b": [0.5, 0.5], "c": [-0.2, 0.0]}
+    one = _rows({q: (b, [x + 0.1 for x in b]) for q, b in before.items()})
+    two = _rows({q: (b, [x + 0.5 for x in b]) for q, b in before.items()})
+    assert gold_change([one])[0] == pytest.approx(0.1) and gold_change([two])[0] == pytest.approx(0.5)
+    change, low, high = gold_change([one, two])
+    assert change == pytest.approx(0.3) and low == pytest.approx(0.3) and high == pytest.approx(0.3)
+    uneven = _rows({"a": ([0.0], [1.0]), "b": ([0.0], [0.0]), "c": ([0.0], [0.0]), "d": ([0.0], [0.0])})
+    change, low, high = gold_change([uneven])
+    # a replicate's change is (draws of a) / 4: none in 32 % of replicates, 3 or more in 5 %, all 4 in 0.4 %
+    assert change == pytest.approx(0.25) and low == pytest.approx(0.0) and high == pytest.approx(0.75)
+
+
+def test_gold_change_refuses_runs_over_other_questions():
+    one = _rows({"a": ([0.1], [0.2]), "b": ([0.1], [0.3])})
+    other = _rows({"a": ([0.1], [0.2]), "c": ([0.1], [0.3])})
+    with pytest.raises(ValueError, match="run 1's before answers cover other questions.*'b'"):
+        gold_change([one, other])
+    with pytest.raises(ValueError, match="run 0's after answers"):
+        gold_change([[r for r in one if not (r["question"] == "b" and r["when"] == "after")]])
+    with pytest.raises(ValueError, match="sample 0 has no 'gold'"):
+        gold_change([[{"question": "a", "when": "before"}]])
+    with pytest.raises(ValueError, match="when='during'"):
+        gold_change([[{"question": "a", "when": "during", "gold": 0.1}]])
+    with pytest.raises(ValueError, match="no runs"):
+        gold_change([])

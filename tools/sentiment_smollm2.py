@@ -171,17 +171,15 @@ def run_report(folder: pathlib.Path, sft_model=None, tokenizer=None) -> dict:
     """What one PPO run's record folder shows: VADER on the held-out questions after against before, paired by
     question (each question's mean over its answers), the guards before and after, the last step's KL and the
     reward model's score; with `sft_model`, the answers' mean log-probability under the SFT model."""
-    from marlhf_edu.sentiment_judge import sentiment_report
+    from marlhf_edu.sentiment_judge import gold_change, sentiment_report
 
     samples = [json.loads(line) for line in (ROOT / folder / "eval_samples.jsonl").read_text().splitlines()]
     run = json.loads((ROOT / folder / "run.json").read_text())
     records = [json.loads(line) for line in (ROOT / folder / "metrics.jsonl").read_text().splitlines()]
-    by_question = {}
-    for s in samples:
-        by_question.setdefault(s["question"], {"before": [], "after": []})[s["when"]].append(s["gold"])
-    diffs = [sum(v["after"]) / len(v["after"]) - sum(v["before"]) / len(v["before"]) for v in by_question.values()]
+    change, low, high = gold_change([samples])
     out = {"folder": str(folder), "seed": run["seed"], "reward": run["reward"], "kl_coef": run["kl_coef"],
-           "steps": run["steps"], "vader_change": _interval(diffs), "per_question_change": [round(d, 4) for d in diffs]}
+           "steps": run["steps"], "vader_change": {"mean": round(change, 4), "low": round(low, 4),
+                                                    "high": round(high, 4)}, "samples": samples}
     for when in ("before", "after"):
         chosen = [s for s in samples if s["when"] == when]
         prompts = None
@@ -207,26 +205,28 @@ def run_report(folder: pathlib.Path, sft_model=None, tokenizer=None) -> dict:
 
 def report(args) -> None:
     """Each run folder's `run_report`, and the pooled change over the folders given (paired by question)."""
+    from marlhf_edu.sentiment_judge import gold_change
+
     sft_model = tokenizer = None
     if args.logprob:
         from marlhf_edu.models import load_sft_model
 
         sft_model, tokenizer = load_sft_model(SFT)
     runs = [run_report(folder, sft_model, tokenizer) for folder in args.folders]
-    # every run's "before" is the same SFT model sampled with the same seed: per question, the change averaged over
-    # the runs, so a question counts once (its before-answers are not drawn again for each seed)
-    if len({len(r["per_question_change"]) for r in runs}) != 1:
-        raise SystemExit("the runs asked different numbers of held-out questions: they cannot be paired")
-    pooled = [sum(changes) / len(changes) for changes in zip(*(r["per_question_change"] for r in runs))]
-    result = {"runs": runs, "pooled_over_runs_paired_by_question": _interval(pooled),
+    # the chapter's pooling (gold_change): each question's answers over every run, questions resampled
+    try:
+        change, low, high = gold_change([r.pop("samples") for r in runs])
+    except ValueError as error:
+        raise SystemExit(f"{error} ({', '.join(str(f) for f in args.folders)})") from None
+    result = {"runs": runs, "pooled_over_runs_paired_by_question": {"mean": round(change, 4), "low": round(low, 4),
+                                                                    "high": round(high, 4)},
               "t_interval_over_runs": _interval([r["vader_change"]["mean"] for r in runs]) if len(runs) > 1 else None}
     text = json.dumps(result, indent=1)
     if args.out:
         if (ROOT / args.out).exists():
             raise SystemExit(f"{args.out} exists: move it away first (nothing is overwritten)")
         (ROOT / args.out).write_text(text + "\n")
-    shown = {**result, "runs": [{k: v for k, v in r.items() if k != "per_question_change"} for r in runs]}
-    print(json.dumps(shown, indent=1))
+    print(text)
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
