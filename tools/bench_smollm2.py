@@ -30,13 +30,15 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default="configs/smollm2/ma_ppo.yaml")
     parser.add_argument("--out", required=True, type=pathlib.Path, help="the run's record folder, e.g. benchmarks/smollm2_eos/config_seed1")
+    parser.add_argument("--run_dir", type=pathlib.Path, default=None,
+                        help="where the run writes (default runs/smollm2/bench_seed<N>; give another to run two at once)")
     parser.add_argument("extra", nargs="*", help="more ma-ppo overrides, after --")
     args = parser.parse_args(argv)
 
     from marlhf_edu.stages.ma_ppo import main as ma_ppo_main
     from marlhf_edu.zoo import _cpu_name
 
-    run_dir = ROOT / "runs" / "smollm2" / f"bench_seed{args.seed}"
+    run_dir = ROOT / (args.run_dir or pathlib.Path("runs") / "smollm2" / f"bench_seed{args.seed}")
     shutil.rmtree(run_dir, ignore_errors=True)
     start = time.perf_counter()
     result = ma_ppo_main(["--config", str(ROOT / args.config), "--output_dir", str(run_dir), "--seed", str(args.seed),
