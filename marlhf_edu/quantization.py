@@ -52,23 +52,39 @@ def quiet_bitsandbytes_cpu_notice() -> None:
     logging.getLogger(_BNB_CPU_LOGGER).setLevel(logging.ERROR)
 
 
-def nf4_loading_kwargs(device: str, double_quant: bool = True) -> dict:
+#: `nf4_loading_kwargs`'s compute dtypes: "auto" is bf16 on CUDA and fp32 on the CPU.
+NF4_COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def nf4_loading_kwargs(device: str, double_quant: bool = True, compute_dtype: str = "auto") -> dict:
     """`from_pretrained` arguments for an NF4 base on `device`: compute in bf16 on CUDA, fp32 on CPU
     (most CPUs have no fast bf16), the whole model on that one device.
 
     On CUDA the parts that stay unquantized (embeddings, norms, lm_head: the residual stream) are loaded in bf16
     whatever the checkpoint says: transformers 5 loads `dtype="auto"`, the checkpoint's own dtype, which is float16
     for Llama-2-7b-hf, and a float16 residual stream with no loss scaling is not the recipe (issue 34). On CPU the
-    checkpoint's dtype is kept (the book's CPU checkpoints are fp32; the 7B-shaped smoke model is bf16)."""
+    checkpoint's dtype is kept (the book's CPU checkpoints are fp32; the 7B-shaped smoke model is bf16).
+
+    `compute_dtype` "float32" computes in fp32 on CUDA too, with an fp32 residual stream, as a CPU run does. It
+    does not make a CUDA run read a reward adapter trained on the CPU as the CPU did: on an H200, chapter 13's
+    sentiment reward adapter read in fp32 tracked VADER no better than in bf16
+    (`benchmarks/smollm2_sentiment/h200/README.md`). "bfloat16" on the CPU sets only the 4-bit layers' compute
+    dtype."""
     from transformers import BitsAndBytesConfig
 
-    compute = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if compute_dtype not in NF4_COMPUTE_DTYPES:
+        raise ValueError(f"nf4 compute_dtype must be one of {NF4_COMPUTE_DTYPES}, got {compute_dtype!r}")
+    cuda = device.startswith("cuda")
+    if compute_dtype == "auto":
+        compute = torch.bfloat16 if cuda else torch.float32
+    else:
+        compute = getattr(torch, compute_dtype)
     kwargs = {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                         bnb_4bit_use_double_quant=double_quant,
                                                         bnb_4bit_compute_dtype=compute),
               "device_map": {"": device}}
-    if device.startswith("cuda"):
-        kwargs["dtype"] = torch.bfloat16
+    if cuda:
+        kwargs["dtype"] = compute
     return kwargs
 
 

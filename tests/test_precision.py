@@ -49,6 +49,35 @@ def test_nf4_computes_in_bf16_on_cuda_and_fp32_on_cpu():
         assert kwargs["device_map"] == {"": device}  # each data-parallel rank's base on its own GPU
 
 
+def test_nf4_compute_dtype_float32_computes_as_the_cpu_does_on_cuda(monkeypatch):
+    """`nf4_compute_dtype: float32`: fp32 compute and an fp32 residual stream on CUDA, as on the CPU; "auto" is the
+    default above; anything else is refused, by the loader and the config."""
+    import pytest
+
+    from marlhf_edu.errors import ConfigError
+
+    fp32 = nf4_loading_kwargs("cuda", compute_dtype="float32")
+    assert fp32["quantization_config"].bnb_4bit_compute_dtype == torch.float32 and fp32["dtype"] is torch.float32
+    assert nf4_loading_kwargs("cuda", compute_dtype="auto")["dtype"] is torch.bfloat16
+    cpu_bf16 = nf4_loading_kwargs("cpu", compute_dtype="bfloat16")
+    assert cpu_bf16["quantization_config"].bnb_4bit_compute_dtype == torch.bfloat16 and "dtype" not in cpu_bf16
+    with pytest.raises(ValueError, match="float16"):
+        nf4_loading_kwargs("cuda", compute_dtype="float16")
+    with pytest.raises(ConfigError, match="nf4_compute_dtype"):
+        PPOConfig(nf4_compute_dtype="fp32").validate()
+    seen = {}  # the multi-adapter backend passes the setting through to the loader
+    import marlhf_edu.ppo.multi_adapter as multi_adapter
+
+    def spy(device, double_quant=True, compute_dtype="auto"):
+        seen["compute_dtype"] = compute_dtype
+        raise RuntimeError("stop after the loader's arguments")
+
+    monkeypatch.setattr(multi_adapter, "nf4_loading_kwargs", spy)
+    with pytest.raises(RuntimeError, match="stop after"):
+        MultiAdapterBackend.from_config(PPOConfig(device="cpu", load_in_4bit=True, nf4_compute_dtype="float32"))
+    assert seen == {"compute_dtype": "float32"}
+
+
 def test_logits_reach_fp32_only_at_the_response_positions(monkeypatch, tmp_path):
     """The (B, R, V) fp32 copy is the response's; the prompt's logits are never made (chapter 02's memory)."""
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend as M

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.kl import KL_KINDS
 from marlhf_edu.ppo_objective import LOSS_AGGREGATIONS
+from marlhf_edu.quantization import NF4_COMPUTE_DTYPES
 from marlhf_edu.scoring import TRUNCATED_SCORING
 
 #: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
@@ -58,6 +59,7 @@ class PPOConfig:
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
     double_quant: bool = field(default=True, metadata={"help": "NF4 double quantization of the scales"})
+    nf4_compute_dtype: str = field(default="auto", metadata={"help": "with load_in_4bit: 'auto' (bf16 on CUDA, fp32 on CPU), 'float32' (fp32 on CUDA too, with an fp32 residual stream, as on the CPU) or 'bfloat16'"})
     # ---- data -----------------------------------------------------------------------------
     dataset_name: str = field(default="toy", metadata={"help": "'toy' or a .json/.jsonl/.parquet file / hub dataset with a 'prompt' column"})
     dataset_split: str = field(default="train", metadata={"help": "split of a hub dataset to read prompts from (files have one)"})
@@ -227,6 +229,8 @@ class PPOConfig:
              "dense copy: a LoRA on a 4-bit base does not compile into one graph)")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(self.nf4_compute_dtype in NF4_COMPUTE_DTYPES,
+             f"nf4_compute_dtype must be one of {NF4_COMPUTE_DTYPES}, got {self.nf4_compute_dtype!r}")
         return self
 
     def validate_data_parallel(self, world_size: int) -> "PPOConfig":

@@ -200,7 +200,7 @@ class MultiAdapterBackend(PPOBackend):
                               "trained on another base would score with weights it never saw. Train the reward model on "
                               "the SFT model (or use the four-model `ppo` command, which loads the reward base separately)")
         device = config.resolved_device
-        kwargs = nf4_loading_kwargs(device, config.double_quant) if config.load_in_4bit else {}
+        kwargs = nf4_loading_kwargs(device, config.double_quant, config.nf4_compute_dtype) if config.load_in_4bit else {}
         tokenizer = load_tokenizer(sft)
         with quiet_loading():
             base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(sft), **kwargs), tokenizer)
