@@ -65,11 +65,8 @@ def nf4_loading_kwargs(device: str, double_quant: bool = True, compute_dtype: st
     for Llama-2-7b-hf, and a float16 residual stream with no loss scaling is not the recipe (issue 34). On CPU the
     checkpoint's dtype is kept (the book's CPU checkpoints are fp32; the 7B-shaped smoke model is bf16).
 
-    `compute_dtype` "float32" computes in fp32 on CUDA too, with an fp32 residual stream, as a CPU run does. It
-    does not make a CUDA run read a reward adapter trained on the CPU as the CPU did: on an H200, chapter 13's
-    sentiment reward adapter read in fp32 tracked VADER no better than in bf16
-    (`benchmarks/smollm2_sentiment/h200/README.md`). "bfloat16" on the CPU sets only the 4-bit layers' compute
-    dtype."""
+    `compute_dtype` "float32" computes in fp32 on CUDA too, with an fp32 residual stream, as a CPU run does (a
+    small model, or a comparison with a CPU run); "bfloat16" on the CPU sets only the 4-bit layers' compute dtype."""
     from transformers import BitsAndBytesConfig
 
     if compute_dtype not in NF4_COMPUTE_DTYPES:

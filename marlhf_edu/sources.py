@@ -37,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import pathlib
+import shutil
 from dataclasses import dataclass
 
 from marlhf_edu.errors import ConfigError
@@ -289,15 +290,96 @@ def _no_progress_bar(module_name: str):
         module.tqdm = bar
 
 
+#: GGUF metadata value types (the format's `gguf_type`) and their struct formats; 8 is a string, 9 an array
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_metadata(gguf_file) -> dict:
+    """A GGUF file's key-value metadata (its header, not its tensors): strings as str, arrays as lists.
+
+    Read with `struct` from the header alone: `gguf.GGUFReader` also maps every tensor and wraps each of the 49,152
+    vocabulary strings in its own array, seconds that every model reference would pay."""
+    import struct
+
+    with open(gguf_file, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"{gguf_file}: not a GGUF file (no GGUF magic)")
+        version, _tensors, count = struct.unpack("<IQQ", f.read(20))
+        if version < 2:
+            raise ConfigError(f"{gguf_file}: GGUF version {version} is not supported (2 or later)")
+
+        def value(kind):
+            if kind == 8:
+                return f.read(struct.unpack("<Q", f.read(8))[0]).decode("utf-8", errors="replace")
+            if kind == 9:
+                inner, n = struct.unpack("<IQ", f.read(12))
+                return [value(inner) for _ in range(n)]
+            if kind not in _GGUF_SCALARS:
+                raise ConfigError(f"{gguf_file}: unknown GGUF metadata type {kind}")
+            fmt = _GGUF_SCALARS[kind]
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        metadata = {}
+        for _ in range(count):
+            key = f.read(struct.unpack("<Q", f.read(8))[0]).decode()
+            metadata[key] = value(struct.unpack("<I", f.read(4))[0])
+    return metadata
+
+
+_GGUF_SPECIAL: dict[tuple, dict] = {}
+
+
+def gguf_special_tokens(gguf_file) -> dict[str, str]:
+    """The BOS and EOS tokens a GGUF file declares (`tokenizer.ggml.bos_token_id` and `eos_token_id` in its
+    metadata), as `{"bos_token": ..., "eos_token": ...}`; a token the file does not declare is left out. Read once
+    per file and process."""
+    info = pathlib.Path(gguf_file).stat()
+    key = (str(pathlib.Path(gguf_file).resolve()), info.st_size, info.st_mtime_ns)
+    if key not in _GGUF_SPECIAL:
+        _GGUF_SPECIAL[key] = _read_special_tokens(gguf_file)
+    return dict(_GGUF_SPECIAL[key])
+
+
+def _read_special_tokens(gguf_file) -> dict[str, str]:
+    metadata = gguf_metadata(gguf_file)
+    tokens = metadata.get("tokenizer.ggml.tokens", [])
+    return {f"{name}_token": tokens[metadata[f"tokenizer.ggml.{name}_token_id"]] for name in ("bos", "eos")
+            if f"tokenizer.ggml.{name}_token_id" in metadata}
+
+
+def use_gguf_special_tokens(tokenizer, config, special: dict[str, str]) -> list[str]:
+    """Set `tokenizer`'s and the model `config`'s BOS and EOS to the GGUF file's own (`gguf_special_tokens`);
+    returns what had to change. transformers 5.17 reads SmolLM2's EOS as `<|im_start|>` (5.23: `<|im_end|>`,
+    the file's): sampling then stops a turn late and the reward model reads tokens it was never trained on."""
+    changed = []
+    for name, token in special.items():
+        if getattr(tokenizer, name) != token:
+            changed.append(f"{name} {getattr(tokenizer, name)!r} -> {token!r}")
+            setattr(tokenizer, name, token)
+        setattr(config, f"{name}_id", tokenizer.convert_tokens_to_ids(token))
+    return changed
+
+
+def _special_tokens_problem(folder: pathlib.Path, special: dict[str, str]) -> str | None:
+    """Why a cached GGUF conversion's tokenizer disagrees with its file's BOS and EOS (None if it agrees)."""
+    saved = json.loads((folder / "tokenizer_config.json").read_text())
+    wrong = [f"{name} {saved.get(name)!r}, the file's {token!r}" for name, token in special.items()
+             if saved.get(name) != token]
+    return "; ".join(wrong) or None
+
+
 def materialize_gguf(gguf_file) -> pathlib.Path:
     """Dequantize a GGUF file once into a transformers directory (fp32 safetensors + tokenizer) in the cache.
 
     transformers reads GGUF by expanding every quantized block to fp32 (≈ 25 s for SmolLM2-135M on 2 cores);
     the result is a plain model in memory but still marked as GGUF-quantized, which `save_pretrained` refuses.
-    The weights are therefore copied into a fresh model built from the same config without that mark.
+    The weights are therefore copied into a fresh model built from the same config without that mark. BOS and
+    EOS are the file's own (`use_gguf_special_tokens`), whatever the installed transformers reads; a cached
+    conversion whose tokenizer says otherwise is built again.
     """
     gguf_file = pathlib.Path(gguf_file)
     target = cache_dir() / "gguf" / f"{gguf_file.stem}-{gguf_digest(gguf_file)[:16]}"
+    special = gguf_special_tokens(gguf_file)
 
     def build(tmp: pathlib.Path):
         import torch
@@ -316,7 +398,10 @@ def materialize_gguf(gguf_file) -> pathlib.Path:
         config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items()
                                          if k not in ("quantization_config", "model_type", "_name_or_path")},
                                       model_type=loaded.config.model_type)
+        use_gguf_special_tokens(tokenizer, config, special)
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        for name in special:  # generate's stopping token is the generation config's
+            setattr(plain.generation_config, f"{name}_id", getattr(config, f"{name}_id"))
         missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
         missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
         if missing or unexpected:
@@ -327,7 +412,13 @@ def materialize_gguf(gguf_file) -> pathlib.Path:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "marlhf_source.json").write_text(json.dumps({"gguf": str(gguf_file), "dtype": "float32"}) + "\n")
 
-    return publish(build, target)
+    folder = publish(build, target)
+    problem = _special_tokens_problem(folder, special)
+    if problem:
+        print(f"model cache: {folder}'s tokenizer disagrees with {gguf_file.name} ({problem}); rebuilding it")
+        shutil.rmtree(folder)
+        folder = publish(build, target)
+    return folder
 
 
 def materialize_adapter(adapter_dir) -> pathlib.Path:
@@ -368,7 +459,15 @@ def materialize_adapter(adapter_dir) -> pathlib.Path:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "marlhf_source.json").write_text(json.dumps({"adapter": str(adapter_dir), "base": base_ref}) + "\n")
 
-    return publish(build, target)
+    folder = publish(build, target)
+    base = ModelSource.parse(adapter_base(adapter_dir))
+    if base.kind == "gguf" and not (adapter_dir / "tokenizer_config.json").exists():  # the GGUF file's BOS and EOS
+        problem = _special_tokens_problem(folder, gguf_special_tokens(base.location))
+        if problem:
+            print(f"model cache: {folder}'s tokenizer disagrees with its base's ({problem}); rebuilding it")
+            shutil.rmtree(folder)
+            folder = publish(build, target)
+    return folder
 
 
 def choose_pad_token(tokenizer) -> str | None:

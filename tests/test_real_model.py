@@ -169,3 +169,103 @@ def test_length_baseline_and_record_base(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/root/.cache/x", "r": 8}))
     record_base(tmp_path, "smollm2")
     assert json.loads((tmp_path / "adapter_config.json").read_text()) == {"base_model_name_or_path": "smollm2", "r": 8}
+
+
+def test_gguf_metadata_is_read_from_the_header_as_gguf_reads_it():
+    """`gguf_metadata` parses the key-value header itself (GGUFReader maps every tensor and takes seconds); the
+    values it reads are the library's."""
+    from gguf import GGUFReader
+
+    from marlhf_edu.sources import gguf_metadata, gguf_special_tokens, shipped_gguf_path
+
+    path = shipped_gguf_path("smollm2")
+    ours, reader = gguf_metadata(path), GGUFReader(str(path))
+    assert set(ours) == {key for key in reader.fields if not key.startswith("GGUF.")}  # the reader's own header
+    for key in ("general.architecture", "llama.block_count", "llama.embedding_length", "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.bos_token_id"):
+        field = reader.fields[key]
+        expected = bytes(field.parts[-1]).decode() if key == "general.architecture" else int(field.parts[-1][0])
+        assert ours[key] == expected
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(ours["tokenizer.ggml.tokens"]) == len(tokens.data) == 49152
+    assert ours["tokenizer.ggml.tokens"][:3] == [bytes(tokens.parts[i]).decode() for i in tokens.data[:3]]
+    assert gguf_special_tokens(path) == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}
+
+
+def test_a_misread_eos_is_set_back_to_the_files(smol_tokenizer):
+    """transformers 5.17 reads SmolLM2's GGUF EOS as <|im_start|> (seen on a GPU machine): sampling then stops a
+    turn late and the reward model reads tokens it never saw. The conversion takes BOS and EOS from the file."""
+    import copy
+
+    from transformers import LlamaConfig
+
+    from marlhf_edu.sources import use_gguf_special_tokens
+
+    tok, config = copy.deepcopy(smol_tokenizer), LlamaConfig(bos_token_id=1, eos_token_id=1)
+    tok.eos_token = "<|im_start|>"
+    changed = use_gguf_special_tokens(tok, config, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
+    assert changed == ["eos_token '<|im_start|>' -> '<|im_end|>'"]
+    assert (tok.eos_token, tok.eos_token_id, config.eos_token_id, config.bos_token_id) == ("<|im_end|>", 2, 2, 1)
+    assert use_gguf_special_tokens(tok, config, {"eos_token": "<|im_end|>"}) == []
+
+
+def test_a_cached_conversion_with_another_eos_is_rebuilt(tmp_path, monkeypatch, capsys):
+    """A conversion cached by a transformers that misread EOS is built again, for the GGUF base and for an SFT
+    adapter merged into it; one that agrees with the file is used as it is."""
+    from marlhf_edu import sources
+
+    calls = []
+
+    def fake_publish(build, target):  # the first entry carries the misread EOS, a rebuilt one the file's
+        folder = tmp_path / f"entry{len(calls)}"
+        folder.mkdir()
+        eos = "<|im_start|>" if not calls else "<|im_end|>"
+        (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": eos}))
+        calls.append(target)
+        return folder
+
+    monkeypatch.setattr(sources, "publish", fake_publish)
+    gguf = sources.shipped_gguf_path("smollm2")
+    assert sources.materialize_gguf(gguf) == tmp_path / "entry1" and len(calls) == 2 and calls[0] == calls[1]
+    assert "disagrees with SmolLM2-135M-Instruct.Q4_1.gguf (eos_token '<|im_start|>'" in capsys.readouterr().out
+    assert not (tmp_path / "entry0").exists()
+    assert sources.materialize_gguf(gguf) == tmp_path / "entry2" and len(calls) == 3  # agrees: built once
+    calls.clear()
+    for folder in tmp_path.iterdir():
+        folder.rename(tmp_path / f"old_{folder.name}")
+    from marlhf_edu.models import ASSETS
+
+    assert sources.materialize_adapter(ASSETS / "smollm2_sft_adapter") == tmp_path / "entry1"
+    assert len(calls) == 2 and "disagrees with its base's" in capsys.readouterr().out
+
+
+def test_the_conversion_saves_the_files_eos_whatever_transformers_reads(tmp_path, monkeypatch, smol_tokenizer):
+    """The conversion itself, with transformers' GGUF loaders replaced by a misreading tokenizer and a tiny model of
+    the same family: the saved tokenizer, model config and generation config carry the file's EOS."""
+    import copy
+
+    import transformers
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from marlhf_edu import sources
+
+    misread = copy.deepcopy(smol_tokenizer)
+    misread.eos_token = "<|im_start|>"
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, bos_token_id=1, eos_token_id=1,
+                                        tie_word_embeddings=True))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: copy.deepcopy(misread))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    built = tmp_path / "entry"
+
+    def build_once(build, target):
+        if not built.exists():
+            built.mkdir()
+            build(built)
+        return built
+
+    monkeypatch.setattr(sources, "publish", build_once)
+    folder = sources.materialize_gguf(sources.shipped_gguf_path("smollm2"))
+    assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|im_end|>"
+    assert json.loads((folder / "config.json").read_text())["eos_token_id"] == 2
+    assert GenerationConfig.from_pretrained(folder).eos_token_id == 2
