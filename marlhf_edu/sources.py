@@ -362,6 +362,8 @@ def use_gguf_special_tokens(tokenizer, config, special: dict[str, str]) -> list[
 
 def _special_tokens_problem(folder: pathlib.Path, special: dict[str, str]) -> str | None:
     """Why a cached GGUF conversion's tokenizer disagrees with its file's BOS and EOS (None if it agrees)."""
+    if not special:
+        return None
     saved = json.loads((folder / "tokenizer_config.json").read_text())
     wrong = [f"{name} {saved.get(name)!r}, the file's {token!r}" for name, token in special.items()
              if saved.get(name) != token]
