@@ -333,16 +333,20 @@ def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
             page.goto(base + "/lab/tree/05_gae.ipynb", wait_until="load")
             page.wait_for_selector(".jp-MarkdownCell .jp-RenderedMarkdown", timeout=90_000)
             page.wait_for_timeout(3000)  # every cell rendered, MathJax typeset
+            # textContent, not innerText: JupyterLab skips painting cells below the fold (CSS content-visibility),
+            # and innerText of an unpainted cell is empty, so what the check reads would depend on the window's height
             text = page.evaluate("() => [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')]"
-                                 ".map(e => e.innerText).join('\\n')")
+                                 ".map(e => e.textContent).join('\\n')")
             shots = ROOT / "build" / "site-check"
             shots.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(shots / "jupyterlab_05_gae.png"))
             # a marlhf_edu.book.Table output is a Markdown table in JupyterLab too (chapter 06 shows one; the
             # learner edition has no outputs, so the instructor copy, as `make teach` opens it)
             page.goto(base + "/lab/tree/06_instructor.ipynb", wait_until="load")
-            page.wait_for_selector(".jp-OutputArea-output table", timeout=90_000)
+            # "attached", not "visible": an unpainted table below the fold is invisible to Playwright however long it
+            # waits (it timed out so in CI, whose layout put the tables lower)
             table = page.locator(".jp-OutputArea-output table", has_text="sequence-mean").first
+            table.wait_for(state="attached", timeout=90_000)
             cells = table.evaluate("t => [...t.querySelectorAll('th, td')].map(c => c.textContent.trim())")
             browser.close()
     finally:
