@@ -259,14 +259,20 @@ def require_offline_copy(source: "ModelSource") -> None:
                       f"(huggingface-cli download {source.location}), or unset HF_HUB_OFFLINE")
 
 
+def _file_key(path) -> tuple:
+    """A file's identity for caches that live as long as the process: its resolved path, size and mtime."""
+    path = pathlib.Path(path)
+    info = path.stat()
+    return str(path.resolve()), info.st_size, info.st_mtime_ns
+
+
 _GGUF_DIGESTS: dict[tuple, str] = {}
 
 
 def gguf_digest(gguf_file: pathlib.Path) -> str:
     """The sha256 of a GGUF file's content (the cache key: a name and a size can be shared by two files), hashed
     once per process for an unchanged file."""
-    info = gguf_file.stat()
-    key = (str(gguf_file.resolve()), info.st_size, info.st_mtime_ns)
+    key = _file_key(gguf_file)
     if key not in _GGUF_DIGESTS:
         _GGUF_DIGESTS[key] = file_sha256(gguf_file)
     return _GGUF_DIGESTS[key]
@@ -333,8 +339,7 @@ def gguf_special_tokens(gguf_file) -> dict[str, str]:
     """The BOS and EOS tokens a GGUF file declares (`tokenizer.ggml.bos_token_id` and `eos_token_id` in its
     metadata), as `{"bos_token": ..., "eos_token": ...}`; a token the file does not declare is left out. Read once
     per file and process."""
-    info = pathlib.Path(gguf_file).stat()
-    key = (str(pathlib.Path(gguf_file).resolve()), info.st_size, info.st_mtime_ns)
+    key = _file_key(gguf_file)
     if key not in _GGUF_SPECIAL:
         _GGUF_SPECIAL[key] = _read_special_tokens(gguf_file)
     return dict(_GGUF_SPECIAL[key])
@@ -350,7 +355,8 @@ def _read_special_tokens(gguf_file) -> dict[str, str]:
 def use_gguf_special_tokens(tokenizer, config, special: dict[str, str]) -> list[str]:
     """Set `tokenizer`'s and the model `config`'s BOS and EOS to the GGUF file's own (`gguf_special_tokens`);
     returns what had to change. transformers 5.17 reads SmolLM2's EOS as `<|im_start|>` (5.23: `<|im_end|>`,
-    the file's): sampling then stops a turn late and the reward model reads tokens it was never trained on."""
+    the file's): sampling then stops, and a cut-off answer is closed, at a token that is not the end of a turn, so
+    the reward model scores endings unlike those it was trained on."""
     changed = []
     for name, token in special.items():
         if getattr(tokenizer, name) != token:
@@ -414,10 +420,16 @@ def materialize_gguf(gguf_file) -> pathlib.Path:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "marlhf_source.json").write_text(json.dumps({"gguf": str(gguf_file), "dtype": "float32"}) + "\n")
 
+    return _publish_with_special_tokens(build, target, special, gguf_file.name)
+
+
+def _publish_with_special_tokens(build, target: pathlib.Path, special: dict[str, str], source: str) -> pathlib.Path:
+    """`publish(build, target)`, built again if the cached folder's tokenizer disagrees with `special`, the BOS
+    and EOS of the GGUF file `source` names (a folder built by a transformers that misread them)."""
     folder = publish(build, target)
     problem = _special_tokens_problem(folder, special)
     if problem:
-        print(f"model cache: {folder}'s tokenizer disagrees with {gguf_file.name} ({problem}); rebuilding it")
+        print(f"model cache: {folder}'s tokenizer disagrees with {source} ({problem}); rebuilding it")
         shutil.rmtree(folder)
         folder = publish(build, target)
     return folder
@@ -461,15 +473,11 @@ def materialize_adapter(adapter_dir) -> pathlib.Path:
         tokenizer.save_pretrained(str(tmp))
         (tmp / "marlhf_source.json").write_text(json.dumps({"adapter": str(adapter_dir), "base": base_ref}) + "\n")
 
-    folder = publish(build, target)
     base = ModelSource.parse(adapter_base(adapter_dir))
     if base.kind == "gguf" and not (adapter_dir / "tokenizer_config.json").exists():  # the GGUF file's BOS and EOS
-        problem = _special_tokens_problem(folder, gguf_special_tokens(base.location))
-        if problem:
-            print(f"model cache: {folder}'s tokenizer disagrees with its base's ({problem}); rebuilding it")
-            shutil.rmtree(folder)
-            folder = publish(build, target)
-    return folder
+        return _publish_with_special_tokens(build, target, gguf_special_tokens(base.location),
+                                            f"its base {pathlib.Path(base.location).name}")
+    return publish(build, target)
 
 
 def choose_pad_token(tokenizer) -> str | None:

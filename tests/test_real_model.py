@@ -236,7 +236,7 @@ def test_a_cached_conversion_with_another_eos_is_rebuilt(tmp_path, monkeypatch, 
     from marlhf_edu.models import ASSETS
 
     assert sources.materialize_adapter(ASSETS / "smollm2_sft_adapter") == tmp_path / "entry1"
-    assert len(calls) == 2 and "disagrees with its base's" in capsys.readouterr().out
+    assert len(calls) == 2 and "disagrees with its base SmolLM2-135M-Instruct.Q4_1.gguf" in capsys.readouterr().out
 
 
 def test_the_conversion_saves_the_files_eos_whatever_transformers_reads(tmp_path, monkeypatch, smol_tokenizer):
