@@ -5,14 +5,17 @@ Training stages (transformers, trl, peft) live in sub-modules that are
 imported on demand.
 """
 
-from marlhf_edu.gae import gae_advantages, gae_advantages_reference
-from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
-from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
-from marlhf_edu.masked import last_valid_index, masked_mean, masked_var, masked_whiten
-from marlhf_edu.policy_gradient import effective_sample_size, importance_weights, leave_one_out_baseline, reinforce_loss
-from marlhf_edu.ppo_objective import policy_loss, ppo_loss, value_loss
-from marlhf_edu.reward import llama2_reward_select, pairwise_reward_loss
-from marlhf_edu.quantization import quiet_bitsandbytes_cpu_notice
+from __future__ import annotations
+
+from marlhf_edu.loading.quantization import quiet_bitsandbytes_cpu_notice
+from marlhf_edu.math.gae import gae_advantages, gae_advantages_reference
+from marlhf_edu.math.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
+from marlhf_edu.math.logprobs import entropy_from_logits, logprobs_from_logits
+from marlhf_edu.math.masked import last_valid_index, masked_mean, masked_var, masked_whiten
+from marlhf_edu.math.policy_gradient import (effective_sample_size, importance_weights, leave_one_out_baseline,
+                                             reinforce_loss)
+from marlhf_edu.math.ppo_objective import policy_loss, ppo_loss, value_loss
+from marlhf_edu.math.reward import llama2_reward_select, pairwise_reward_loss
 
 # Before peft/trl import bitsandbytes: its CPU-kernel notice would reach stored outputs on some CPUs only.
 quiet_bitsandbytes_cpu_notice()

@@ -21,7 +21,9 @@ from __future__ import annotations
 import sys
 
 import marlhf_edu
-from marlhf_edu.errors import ConfigError
+
+from marlhf_edu.errors import BadRowError, ConfigError, DataFileError
+from marlhf_edu.loading.cpu_products import fp32_products_where_needed
 
 COMMANDS = {
     "sft": ("marlhf_edu.stages.sft", "supervised fine-tuning (trl SFTTrainer, completion-only loss)"),
@@ -30,14 +32,14 @@ COMMANDS = {
     "ma-ppo": ("marlhf_edu.stages.ma_ppo", "multi-adapter PPO: one (4-bit) base, policy/value/reward adapters"),
     "dpo": ("marlhf_edu.stages.dpo", "DPO on preference pairs (trl DPOTrainer, LoRA, reference = disabled adapter)"),
     "grpo": ("marlhf_edu.stages.grpo", "GRPO, no critic (trl GRPOTrainer, LoRA, reward adapter or toy judge)"),
-    "memory": ("marlhf_edu.memory.command", "plan the memory of four-model PPO and MA-PPO side by side"),
-    "preflight": ("marlhf_edu.memory.preflight", "check a launch before it runs: meta-device model, memory per GPU, command"),
+    "memory": ("marlhf_edu.stages.memory", "plan the memory of four-model PPO and MA-PPO side by side"),
+    "preflight": ("marlhf_edu.stages.preflight", "check a launch before it runs: meta-device model, memory per GPU, command"),
     "pipeline": ("marlhf_edu.stages.pipeline", "SFT -> reward model -> (MA-)PPO in order, each stage resumable"),
     "merge": ("marlhf_edu.stages.merge", "fold a trained LoRA adapter into its base and save it, checked"),
     "evaluate": ("marlhf_edu.stages.evaluate", "judge a trained policy (toy or keyword judge) and score it with a reward model"),
     "generate": ("marlhf_edu.stages.generate", "answers of any model or trained adapter to a few prompts"),
-    "zoo": ("marlhf_edu.zoo", "rebuild the shipped tiny tokenizer and models"),
-    "cache": ("marlhf_edu.model_cache", "list or clean the model cache (converted GGUF files, merged adapters)"),
+    "zoo": ("marlhf_edu.stages.zoo", "rebuild the shipped tiny tokenizer and models"),
+    "cache": ("marlhf_edu.stages.cache", "list or clean the model cache (converted GGUF files, merged adapters)"),
 }
 
 
@@ -81,9 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"marlhf-edu: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     import importlib
-
-    from marlhf_edu.cpu_products import fp32_products_where_needed
-    from marlhf_edu.errors import BadRowError, DataFileError
 
     quiet_libraries()
     module = importlib.import_module(COMMANDS[argv[0]][0])

@@ -2,8 +2,8 @@
 imports nothing of the package, so no module reaches upward (into `stages`) for an error class.
 
 The command line (`marlhf_edu.cli`) prints each of them as one line naming the file, the row or the key, with
-exit status 2, instead of a traceback. `stages.common.ConfigError` and `data.formats.DataFileError` /
-`BadRowError` are these same classes, re-exported where they were first defined.
+exit status 2, instead of a traceback. `marlhf_edu.data` re-exports `DataFileError` and
+`BadRowError` with its loaders.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ exclude_patterns = ["_build", "node_modules", "**.ipynb_checkpoints", "_readme_*
 # --- notebooks: stored outputs only, MyST math ---------------------------------------------------------
 nb_execution_mode = "off"
 nb_merge_streams = True
-# Markdown outputs (marlhf_edu.book.Table, show()) read as GitHub Markdown, which has tables; CommonMark has none
+# Markdown outputs (marlhf_edu.teaching.book.Table, show()) read as GitHub Markdown, which has tables; CommonMark has none
 nb_render_markdown_format = "gfm"
 myst_enable_extensions = ["dollarmath", "amsmath"]
 myst_heading_anchors = 3

@@ -16,7 +16,7 @@ def right_padded_mask(gen, B, T, min_len=1):
 @pytest.fixture(scope="module")
 def prompts():
     """The toy world's training prompts, rendered."""
-    from marlhf_edu.toyworld import ToyWorld
+    from marlhf_edu.data.toyworld import ToyWorld
 
     return [p.prompt for p in ToyWorld().train_prompts]
 

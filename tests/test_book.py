@@ -1,4 +1,4 @@
-"""marlhf_edu.book.Table: the chapters' tables, Markdown where a notebook renders it and aligned text where not."""
+"""marlhf_edu.teaching.book.Table: the chapters' tables, Markdown where a notebook renders it and aligned text where not."""
 
 import html
 import re
@@ -7,7 +7,7 @@ import pytest
 from markdown_it import MarkdownIt
 from mdit_py_plugins.gfm import gfm_plugin
 
-from marlhf_edu.book import Table
+from marlhf_edu.teaching.book import Table
 
 HEADER = ["run", "refused", "RM score"]
 ROWS = [["first RM; T = 1 | EOS $1 *not* [bold] <b>_x_ &lt;", "6% → 3%", "-0.69 → -0.50"],

@@ -5,11 +5,11 @@ import contextlib
 import pytest
 import torch
 
-from marlhf_edu.checkpointing import checkpointed, decoder_layers_of
+from marlhf_edu.data.toyworld import ToyWorld
 from marlhf_edu.memory.measure import saved_tensor_bytes
 from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
+from marlhf_edu.ppo.checkpointing import checkpointed, decoder_layers_of
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-from marlhf_edu.toyworld import ToyWorld
 
 SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=4, forward_batch_size=8, max_new_tokens=12,
              device="cpu", eval_repeats=0, learning_rate=1e-3)

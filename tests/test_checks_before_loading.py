@@ -6,8 +6,7 @@ import pathlib
 
 import pytest
 
-from marlhf_edu.data.formats import DataFileError
-from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.errors import ConfigError, DataFileError
 
 TINY_PPO = ["--batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size", "2", "--forward_batch_size", "8",
             "--max_new_tokens", "8", "--device", "cpu", "--eval_repeats", "1", "--total_steps", "1"]
@@ -91,7 +90,7 @@ def foreign_reward_adapter(tmp_path):
     import json
     import shutil
 
-    from marlhf_edu.models import REWARD_ADAPTER_DIR
+    from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
 
     adapter = tmp_path / "foreign_rm"
     shutil.copytree(REWARD_ADAPTER_DIR, adapter)
@@ -107,7 +106,9 @@ def test_grpo_and_dpo_refuse_a_reward_model_of_another_base_or_vocabulary_before
     base and any vocabulary; PPO refused both."""
     import importlib
 
-    from marlhf_edu import models
+    from marlhf_edu.loading.assets import SFT_DIR, TOKENIZER_DIR
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.training import policy
 
     main = importlib.import_module(f"marlhf_edu.stages.{stage}").main
     base = ["--config", f"configs/tiny_{stage}.yaml", "--output_dir", str(tmp_path / stage)]
@@ -121,13 +122,13 @@ def test_grpo_and_dpo_refuse_a_reward_model_of_another_base_or_vocabulary_before
         def __len__(self):
             return 1
 
-    real = models.load_tokenizer
     other = tmp_path / "other_base"
-    monkeypatch.setattr(models, "load_tokenizer", lambda ref=models.TOKENIZER_DIR, *a, **k:
-                        OtherVocabulary() if str(ref) == str(other) else real(ref, *a, **k))
+    # the reward base's tokenizer, as `check_reward_vocabulary` loads it
+    monkeypatch.setattr(policy, "load_tokenizer", lambda ref=TOKENIZER_DIR, *a, **k:
+                        OtherVocabulary() if str(ref) == str(other) else load_tokenizer(ref, *a, **k))
     import shutil
 
-    shutil.copytree(models.SFT_DIR, other)  # the same width: only the vocabulary differs
+    shutil.copytree(SFT_DIR, other)  # the same width: only the vocabulary differs
     with pytest.raises(ConfigError, match="reward model's tokenizer .* differs from the policy's"):
         main([*base, "--reward_base_path", str(other)])
 
@@ -138,7 +139,10 @@ def test_ppo_and_evaluate_refuse_a_reward_base_of_another_vocabulary_before_load
     vocabularies only after loading both models."""
     import shutil
 
-    from marlhf_edu import models
+    from marlhf_edu.loading.assets import SFT_DIR, TOKENIZER_DIR
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.ppo import run
+    from marlhf_edu.stages import evaluate as evaluate_stage
     from marlhf_edu.stages.evaluate import main as evaluate
 
     class OtherVocabulary:
@@ -149,10 +153,10 @@ def test_ppo_and_evaluate_refuse_a_reward_base_of_another_vocabulary_before_load
             return 1
 
     other = tmp_path / "other_base"
-    shutil.copytree(models.SFT_DIR, other)  # the same width: only the vocabulary differs
-    real = models.load_tokenizer
-    monkeypatch.setattr(models, "load_tokenizer", lambda ref=models.TOKENIZER_DIR, *a, **k:
-                        OtherVocabulary() if str(ref) == str(other) else real(ref, *a, **k))
+    shutil.copytree(SFT_DIR, other)  # the same width: only the vocabulary differs
+    for module in (run, evaluate_stage):  # each loads the tokenizers itself: PPO's checks before loading, evaluate
+        monkeypatch.setattr(module, "load_tokenizer", lambda ref=TOKENIZER_DIR, *a, **k:
+                            OtherVocabulary() if str(ref) == str(other) else load_tokenizer(ref, *a, **k))
     with pytest.raises(ConfigError, match="reward model's tokenizer .* differs from the policy's"):
         ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--reward_base_path", str(other)])
     with pytest.raises(ConfigError, match="reward model's tokenizer .* differs from the policy's"):
@@ -228,7 +232,7 @@ def test_trl_stages_refuse_a_finished_run_and_a_bad_resume_before_loading(tmp_pa
     # asked to replace it, the check lets the run go on (and the pipeline asks, for a stage it restarts)
     from types import SimpleNamespace
 
-    from marlhf_edu.stages.common import check_output_dir
+    from marlhf_edu.training.runs import check_output_dir
 
     check_output_dir(stage, SimpleNamespace(overwrite_output=True),
                      SimpleNamespace(output_dir=str(out), resume_from_checkpoint=None))
@@ -306,7 +310,8 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_loading(locked, 
 
 
 def test_the_pipeline_refuses_an_unwritable_later_stage_before_running_the_first(tmp_path, locked, no_loading):
-    from marlhf_edu.stages.pipeline import Stage, run_pipeline
+    from marlhf_edu.stages.pipeline import run_pipeline
+    from marlhf_edu.training.pipeline_file import Stage
 
     stages = [Stage("sft", "configs/tiny_sft.yaml", ["--output_dir", str(tmp_path / "sft")]),
               Stage("rm", "configs/tiny_rm.yaml", ["--output_dir", str(locked / "rm")])]
@@ -330,7 +335,7 @@ def test_ppo_refuses_prompts_over_max_prompt_length_before_loading(tmp_path, no_
     ("stages:\n  sft: {max_steps: 1}\n", r"stage\(s\) \['sft'\] need a config file path"),
 ])
 def test_a_malformed_pipeline_file_is_a_config_error_naming_it(tmp_path, text, message):
-    from marlhf_edu.stages.pipeline import load_pipeline
+    from marlhf_edu.training.pipeline_file import load_pipeline
 
     path = tmp_path / "pipeline.yaml"
     path.write_text(text)
@@ -341,7 +346,7 @@ def test_a_malformed_pipeline_file_is_a_config_error_naming_it(tmp_path, text, m
 def test_an_evaluation_the_keyword_judge_cannot_give_is_refused_before_loading(tmp_path, no_loading, monkeypatch):
     """The keyword judge is built from the tokenizer alone, before any model loads (it used to be built after
     loading, so a judge without prompts failed a run that had already loaded its models), and the run reuses it."""
-    from marlhf_edu import keyword_judge
+    from marlhf_edu.data import keyword_judge
 
     def no_request_fits(self, tokenizer, limit=None, max_prompt_tokens=64, **kwargs):
         raise keyword_judge.NoRequestFits(f"KeywordJudge: no test request fits in {max_prompt_tokens} tokens")
@@ -364,7 +369,7 @@ def bad_reward_adapters(tmp_path_factory):
 
     from safetensors.torch import load_file, save_file
 
-    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR
+    from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
 
     hidden = json.loads((SFT_DIR / "config.json").read_text())["hidden_size"]
     state = load_file(str(REWARD_ADAPTER_DIR / "adapter_model.safetensors"))
@@ -399,7 +404,7 @@ def test_a_reward_adapter_without_a_fitting_score_head_is_refused_before_loading
 
 def test_every_stage_that_scores_with_a_reward_adapter_checks_its_head_before_loading(tmp_path, no_loading,
                                                                                       bad_reward_adapters):
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
     from marlhf_edu.stages import dpo, evaluate, grpo
 
     # the copies record their base relative to where they were written ("../tiny_sft"): the base is named
@@ -434,7 +439,7 @@ def test_mistakes_that_were_bare_value_errors_are_named_errors_before_loading(tm
 
     from marlhf_edu import cli
     from marlhf_edu.stages.evaluate import main as evaluate
-    from marlhf_edu.stages.reward import RMScriptArguments, with_refusal_pairs
+    from marlhf_edu.training.reward import RMScriptArguments, with_refusal_pairs
 
     assert cli.main(["ppo", *TINY_PPO, "--output_dir", str(tmp_path / "run"), "--dataset_name",
                      "hh-rlhf-harmless-base", "--dataset_format", "hh-rlhf", "--dataset_split", "validation"]) == 2

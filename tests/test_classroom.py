@@ -188,7 +188,7 @@ def test_chapters_naming_the_repository_run_from_their_assignment_folder(stem, t
     """Chapters 14 and 15 name the repository `ROOT = pathlib.Path("..")` and run commands in it; as an
     assignment (one folder, nothing above it) ROOT is the folder, and every file named under it travels with it,
     a pipeline file with its stage configs."""
-    from marlhf_edu.stages.pipeline import load_pipeline
+    from marlhf_edu.training.pipeline_file import load_pipeline
 
     files: set[str] = set()
     student = book.student_source(nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", 4), stem, files)
@@ -340,7 +340,7 @@ def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
             shots = ROOT / "build" / "site-check"
             shots.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(shots / "jupyterlab_05_gae.png"))
-            # a marlhf_edu.book.Table output is a Markdown table in JupyterLab too (chapter 06 shows one; the
+            # a marlhf_edu.teaching.book.Table output is a Markdown table in JupyterLab too (chapter 06 shows one; the
             # learner edition has no outputs, so the instructor copy, as `make teach` opens it)
             page.goto(base + "/lab/tree/06_instructor.ipynb", wait_until="load")
             # "attached", not "visible": an unpainted table below the fold is invisible to Playwright however long it

@@ -3,9 +3,9 @@
 
 import pytest
 
-from marlhf_edu.memory.command import main as memory_main
 from marlhf_edu.ppo import PPOConfig
-from marlhf_edu.stages.common import parse_stage_args
+from marlhf_edu.stages.memory import main as memory_main
+from marlhf_edu.training.args import parse_stage_args
 
 CPU = ["--bf16", "false", "--use_cpu", "true"]  # transformers refuses bf16 where no GPU is visible
 
@@ -13,8 +13,8 @@ CPU = ["--bf16", "false", "--use_cpu", "true"]  # transformers refuses bf16 wher
 def test_sft_and_rm_configs_parse():
     from trl import ModelConfig, RewardConfig, SFTConfig
 
-    from marlhf_edu.stages.reward import RMScriptArguments
-    from marlhf_edu.stages.sft import SFTScriptArguments
+    from marlhf_edu.training.reward import RMScriptArguments
+    from marlhf_edu.training.sft import SFTScriptArguments
 
     script, train, model = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig),
                                             ["--config", "configs/llama2_7b/sft.yaml", *CPU])

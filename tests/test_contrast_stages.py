@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.errors import ConfigError
 
 
 def test_reward_model_reward_scores_as_ppo_reads_and_penalises_a_missing_eos():
     from marlhf_edu.data.template import format_completion
-    from marlhf_edu.models import load_reward_model
-    from marlhf_edu.scoring import score_texts
-    from marlhf_edu.stages.grpo import RewardModelReward
-    from marlhf_edu.toyworld import ToyWorld
+    from marlhf_edu.data.toyworld import ToyWorld
+    from marlhf_edu.loading.models import load_reward_model
+    from marlhf_edu.math.scoring import score_texts
+    from marlhf_edu.training.grpo import RewardModelReward
 
     world = ToyWorld()
     rm, tok = load_reward_model()
@@ -27,23 +27,23 @@ def test_reward_model_reward_scores_as_ppo_reads_and_penalises_a_missing_eos():
 
 
 def _args(stage, tmp_path, *extra):
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     if stage == "dpo":
         from trl import DPOConfig as Config, ModelConfig
 
-        from marlhf_edu.stages.dpo import DPOScriptArguments as Script
+        from marlhf_edu.training.dpo import DPOScriptArguments as Script
     else:
         from trl import GRPOConfig as Config, ModelConfig
 
-        from marlhf_edu.stages.grpo import GRPOScriptArguments as Script
+        from marlhf_edu.training.grpo import GRPOScriptArguments as Script
     return parse_stage_args((Script, Config, ModelConfig), ["--config", f"configs/tiny_{stage}.yaml",
                                                             "--output_dir", str(tmp_path), *extra])
 
 
 def test_stages_refuse_what_the_book_does_not_do(tmp_path):
-    from marlhf_edu.stages.dpo import run_dpo
-    from marlhf_edu.stages.grpo import run_grpo
+    from marlhf_edu.training.dpo import run_dpo
+    from marlhf_edu.training.grpo import run_grpo
 
     with pytest.raises(ConfigError, match="use_peft"):
         run_dpo(*_args("dpo", tmp_path, "--use_peft", "false"))
@@ -59,8 +59,8 @@ def test_stages_refuse_what_the_book_does_not_do(tmp_path):
 
 def test_grpo_stage_optimises_the_reward_model_and_only_logs_the_judge(tmp_path):
     """The toy judge rides along with weight 0: logged as rewards/gold/mean, absent from the advantages."""
-    from marlhf_edu.book import quietly
-    from marlhf_edu.stages.grpo import run_grpo
+    from marlhf_edu.teaching.book import quietly
+    from marlhf_edu.training.grpo import run_grpo
 
     script, training, model = _args("grpo", tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "8",
                                     "--steps_per_generation", "1", "--num_generations", "4",
@@ -81,10 +81,10 @@ def test_grpo_stage_optimises_the_reward_model_and_only_logs_the_judge(tmp_path)
 def test_dpo_stage_trains_a_lora_whose_disabled_adapter_is_the_sft_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.book import quietly
-    from marlhf_edu.models import SFT_DIR
-    from marlhf_edu.stages.dpo import run_dpo
-    from marlhf_edu.toyworld import ToyWorld
+    from marlhf_edu.data.toyworld import ToyWorld
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.teaching.book import quietly
+    from marlhf_edu.training.dpo import run_dpo
 
     script, training, model = _args("dpo", tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "4",
                                     "--eval_repeats", "0", "--disable_tqdm", "true")
@@ -101,9 +101,9 @@ def test_dpo_stage_trains_a_lora_whose_disabled_adapter_is_the_sft_model(tmp_pat
 
 def test_grpo_reads_a_real_dataset_and_never_drops_long_prompts_silently(capsys):
     """Issue 37 item 6: GRPO on any non-toy dataset crashed (its arguments had no drop_long_prompts)."""
-    from marlhf_edu.models import load_tokenizer
-    from marlhf_edu.stages.grpo import GRPOScriptArguments
-    from marlhf_edu.stages.ppo import load_prompts
+    from marlhf_edu.data.prompts import load_prompts
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.training.grpo import GRPOScriptArguments
 
     tok = load_tokenizer()
     args = GRPOScriptArguments(dataset_name="hh-rlhf-harmless-base", dataset_format="hh-rlhf", skip_bad_rows=True,
@@ -116,11 +116,11 @@ def test_grpo_reads_a_real_dataset_and_never_drops_long_prompts_silently(capsys)
 def test_dpo_and_sft_apply_max_rows_and_refuse_rows_trl_would_cut(tmp_path, monkeypatch, capsys):
     """Issue 37 item 6: DPO ignored --max_rows and --max_tokens; SFT let trl cut over-long rows (EOS and all)
     silently; num_train_epochs 0 saved an untrained model with rc 0. All of it now happens before a model loads."""
-    import marlhf_edu.stages.dpo as dpo
+    import marlhf_edu.training.dpo as dpo
     from trl import ModelConfig, SFTConfig
 
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.sft import SFTScriptArguments, run_sft
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.sft import SFTScriptArguments, run_sft
 
     class Loaded(Exception):
         pass

@@ -1,4 +1,4 @@
-"""bf16/fp16 matrix products computed in fp32 on CPUs without native kernels (marlhf_edu.cpu_products).
+"""bf16/fp16 matrix products computed in fp32 on CPUs without native kernels (marlhf_edu.loading.cpu_products).
 
 On an AVX2-only CPU PyTorch's bf16 product falls back to a scalar loop for the layout of every linear layer's
 backward (about 500x slower than fp32 at 7B widths): CI's 7B-shaped smoke run timed out there. The mode must
@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from marlhf_edu import cpu_products
-from marlhf_edu.cpu_products import Fp32Products, fp32_products_where_needed, needs_fp32_products
+from marlhf_edu.loading import cpu_products
+from marlhf_edu.loading.cpu_products import Fp32Products, fp32_products_where_needed, needs_fp32_products
 
 
 def test_a_bf16_linear_layer_is_computed_in_fp32_forward_and_backward():
@@ -104,6 +104,7 @@ def test_nested_uses_enter_the_mode_once(monkeypatch):
 def test_every_command_and_every_pipeline_stage_runs_inside_it(monkeypatch, tmp_path):
     from marlhf_edu import cli
     from marlhf_edu.stages import pipeline
+    from marlhf_edu.training.pipeline_file import load_pipeline
 
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
     seen = []
@@ -123,9 +124,8 @@ def test_every_command_and_every_pipeline_stage_runs_inside_it(monkeypatch, tmp_
     path = tmp_path / "pipeline.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     monkeypatch.setattr(pipeline, "release_memory", lambda: None)
-    import marlhf_edu.sources
-    monkeypatch.setattr(marlhf_edu.sources, "resolve_model", lambda ref: None)
-    stages, _ = pipeline.load_pipeline(str(path), [])
+    monkeypatch.setattr(pipeline, "resolve_model", lambda ref: None)
+    stages, _ = load_pipeline(str(path), [])
     for stage in stages:
         stage.module = "fake_command"
     seen.clear()

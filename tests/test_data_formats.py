@@ -2,9 +2,10 @@ import json
 
 import pytest
 
-from marlhf_edu.data import (PKU_MARGINS, BadRowError, DataFileError, alpaca_to_sft, build_prompt, generic_to_preference,
+from marlhf_edu.data import (PKU_MARGINS, alpaca_to_sft, build_prompt, generic_to_preference,
                              hh_rlhf_to_preference, load_preferences, load_sft, pku_saferlhf_to_preference,
                              pku_saferlhf_to_sft)
+from marlhf_edu.errors import BadRowError, DataFileError
 
 HH = {
     "chosen": "\n\nHuman: Hi there.\n\nAssistant: Hello! How can I help?\n\nHuman: How do I boil an egg?"
@@ -142,7 +143,8 @@ def test_a_parquet_file_is_read_without_the_datasets_cache(tmp_path, monkeypatch
     import pyarrow
     import pyarrow.parquet
 
-    from marlhf_edu.data.formats import DataFileError, read_rows
+    from marlhf_edu.data.formats import read_rows
+    from marlhf_edu.errors import DataFileError
 
     path = tmp_path / "pairs.parquet"
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"prompt": "a", "chosen": "b", "rejected": "c"}]), path)
@@ -161,7 +163,8 @@ def test_a_hub_dataset_that_cannot_be_reached_is_a_data_error_naming_what_the_na
     import datasets
 
     from marlhf_edu import cli
-    from marlhf_edu.data.formats import DataFileError, read_rows
+    from marlhf_edu.data.formats import read_rows
+    from marlhf_edu.errors import DataFileError
 
     def unreachable(path, split=None, **kwargs):
         raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)\nmore lines")

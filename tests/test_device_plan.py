@@ -10,12 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from marlhf_edu.memory.device import (GIB, held_checkpoints, logprob_forward_bytes, plan_rm_stage, plan_sft_stage,
-                                      ppo_need, run_disk, trl_output_bytes, trl_trainable_bytes)
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.memory.device import (GIB, held_checkpoints, logprob_forward_bytes, plan_rm_stage,
+                                      plan_sft_stage, ppo_need, run_disk, trl_output_bytes, trl_trainable_bytes)
 from marlhf_edu.memory.plan import LLAMA_2_7B, plan_multi_adapter
-from marlhf_edu.memory.preflight import main as preflight
-from marlhf_edu.memory.preflight import pipeline_trl_stages
-from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.stages.preflight import main as preflight, pipeline_trl_stages
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU = json.loads((ROOT / "benchmarks" / "gpu_check.json").read_text())
@@ -25,10 +24,10 @@ PIPELINE = ["--pipeline", "configs/llama2_7b/pipeline.yaml"]
 
 
 def ppo_settings(merged: bool):
-    from marlhf_edu.memory.command import MemoryArguments, settings_and_shape
     from marlhf_edu.memory.plan import multi_adapter_settings
+    from marlhf_edu.memory.settings import MemoryArguments, settings_and_shape
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     (config,) = parse_stage_args((PPOConfig,), ["--config", str(ROOT / "configs/llama2_7b/ma_ppo.yaml")])
     shape, s = settings_and_shape(config, MemoryArguments(model_shape="llama-2-7b", weight_dtype="bfloat16",

@@ -1,4 +1,4 @@
-"""The diagrams of `marlhf_edu.diagrams` name what the code really has, and their numbers are the package's.
+"""The diagrams of `marlhf_edu.teaching.diagrams` name what the code really has, and their numbers are the package's.
 
 Each test reads the names from the code a diagram pictures (the trainer's phases and rollout fields, the adapters
 the multi-adapter backend loads, the 7B configs' stages and folders), so renaming one there fails here until the
@@ -20,9 +20,9 @@ import yaml  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from marlhf_edu import diagrams  # noqa: E402
-from marlhf_edu.diagrams import GIB, figure_texts  # noqa: E402
-from marlhf_edu.gae import gae_advantages_reference  # noqa: E402
+from marlhf_edu.math.gae import gae_advantages_reference
+from marlhf_edu.teaching import diagrams
+from marlhf_edu.teaching.diagrams import GIB, figure_texts
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -102,10 +102,10 @@ def test_adapter_switching_shows_the_adapters_and_switches_the_backend_uses():
 
 
 def test_memory_budget_draws_the_planners_bytes():
-    from marlhf_edu.memory.command import MemoryArguments, settings_and_shape
     from marlhf_edu.memory.plan import LLAMA_2_7B, plan_multi_adapter
+    from marlhf_edu.memory.settings import MemoryArguments, settings_and_shape
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     plans = diagrams.memory_budget_plans()
     four, ma = plans["four full models"], plans["MA-PPO"]
@@ -156,7 +156,8 @@ def test_gae_recursion_prints_what_the_backward_loop_computes():
 
 
 def test_pipeline_7b_shows_the_configs_stages_folders_and_markers():
-    from marlhf_edu.stages.pipeline import MARKER, STARTED, STAGES
+    from marlhf_edu.stages.pipeline import MARKER, STARTED
+    from marlhf_edu.training.pipeline_file import STAGES
 
     spec = yaml.safe_load((ROOT / "configs/llama2_7b/pipeline.yaml").read_text())
     fig = diagrams.pipeline_7b()
@@ -172,7 +173,7 @@ def test_pipeline_7b_shows_the_configs_stages_folders_and_markers():
     # what the MA-PPO stage writes, by the names the engine uses
     trainer = (ROOT / "marlhf_edu/ppo/trainer.py").read_text()
     assert '"metrics.jsonl"' in trainer and '"checkpoints"' in trainer
-    assert 'out / "policy"' in (ROOT / "marlhf_edu/stages/ppo.py").read_text()
+    assert 'out / "policy"' in (ROOT / "marlhf_edu/ppo/run.py").read_text()
     for name in ("metrics.jsonl", "checkpoints/", "policy/"):
         assert name in text
     # evaluate and merge: their commands' own example folders and the files evaluate writes

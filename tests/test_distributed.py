@@ -244,8 +244,8 @@ def test_ranks_take_the_mean_gradient():
 # ---- one process: what the data-parallel path adds ------------------------------------------
 
 def test_data_parallel_shapes_are_checked():
+    from marlhf_edu.errors import ConfigError
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.common import ConfigError
 
     ok = PPOConfig(batch_size=8, mini_batch_size=4, micro_batch_size=2, rollout_seeding="per_chunk")
     ok.validate_data_parallel(2)

@@ -237,10 +237,10 @@ def tiny_config(argv: list[str]) -> bool:
 # ----------------------------------------------------------------------------------------------------- the checks
 
 def check_ppo(command, argv, world_size, tmp_path, monkeypatch, capsys):
-    from marlhf_edu.stages import ppo as stage
+    from marlhf_edu.ppo import run as ppo_run
 
     local = tiny_config(argv)
-    original = stage.check_before_loading
+    original = ppo_run.check_before_loading
     seen = {}
 
     def checked(config, backend_factory=None):
@@ -251,8 +251,8 @@ def check_ppo(command, argv, world_size, tmp_path, monkeypatch, capsys):
         return original(config, backend_factory)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stage, "check_before_loading", checked)
-        stop_at(mp, "marlhf_edu.ppo.run_files", "RunLock")  # past every check before loading, nothing written
+        mp.setattr(ppo_run, "check_before_loading", checked)
+        stop_at(mp, "marlhf_edu.ppo.run", "RunLock")  # past every check before loading, nothing written
         cli_until_reached(command, [*argv, "--output_dir", str(tmp_path / "as_written")], capsys)
     assert "config" in seen, f"{command.where}: the PPO stage never reached check_before_loading"
     if not local or world_size > 1:  # a data-parallel launch runs in tests/test_distributed.py
@@ -267,7 +267,7 @@ def check_ppo(command, argv, world_size, tmp_path, monkeypatch, capsys):
 def check_pipeline(command, argv, world_size, tmp_path, monkeypatch, capsys):
     import torch
 
-    from marlhf_edu.stages import pipeline
+    from marlhf_edu.training import pipeline_file as pipeline
 
     path = option(argv, "--config")
     if path is None:
@@ -298,7 +298,8 @@ def check_trl_stage(command, argv, world_size, tmp_path, monkeypatch, capsys):
     extra = ["--output_dir", str(tmp_path / "out")]
     if not torch.cuda.is_available():
         extra += ["--use_cpu", "true"]
-    stop_at(monkeypatch, "marlhf_edu.models", "load_tokenizer")  # the first thing run_sft / run_rm load
+    for module in ("marlhf_edu.training.sft", "marlhf_edu.training.reward"):  # the first thing run_sft / run_rm load
+        stop_at(monkeypatch, module, "load_tokenizer")
     cli_until_reached(command, [*argv, *extra], capsys)
 
 
@@ -306,13 +307,13 @@ def check_zoo(command, argv, world_size, tmp_path, monkeypatch, capsys):
     import torch
     from trl import ModelConfig, RewardConfig, SFTConfig
 
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.reward import RMScriptArguments
-    from marlhf_edu.stages.sft import SFTScriptArguments
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.reward import RMScriptArguments
+    from marlhf_edu.training.sft import SFTScriptArguments
 
     seen = {}
     for name in ("rebuild", "rebuild_smollm2"):
-        stop_at(monkeypatch, "marlhf_edu.zoo", name, wrap=lambda configs, out, work, name=name:
+        stop_at(monkeypatch, "marlhf_edu.stages.zoo", name, wrap=lambda configs, out, work, name=name:
                 seen.update(which=name, configs=configs))
     cli_until_reached(command, argv, capsys)
     sub = "smollm2" if seen["which"] == "rebuild_smollm2" else ""
@@ -326,9 +327,9 @@ def check_zoo(command, argv, world_size, tmp_path, monkeypatch, capsys):
 
 #: The first model read of a command on models that are not here: the command runs up to it.
 STOP_AT = {
-    "evaluate": ("marlhf_edu.sources", "require_adapter_folder"),  # after its arguments, device and dtype
-    "generate": ("marlhf_edu.models", "load_sft_model"),
-    "merge": ("marlhf_edu.models", "resolve_device"),  # after its arguments, before the adapter folder is read
+    "evaluate": ("marlhf_edu.stages.evaluate", "require_adapter_folder"),  # after its arguments, device and dtype
+    "generate": ("marlhf_edu.stages.generate", "load_sft_model"),
+    "merge": ("marlhf_edu.stages.merge", "resolve_device"),  # after its arguments, before the adapter folder is read
 }
 
 

@@ -6,7 +6,7 @@ import tempfile
 import pytest
 import torch
 
-from marlhf_edu.dpo import completion_logprobs, dpo_loss
+from marlhf_edu.math.dpo import completion_logprobs, dpo_loss
 
 
 def test_dpo_loss_by_hand():
@@ -46,9 +46,10 @@ def test_trl_dpo_with_lora_matches_the_package_and_uses_the_disabled_adapter_as_
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    from marlhf_edu.book import quietly
-    from marlhf_edu.models import SFT_DIR, load_tokenizer
-    from marlhf_edu.toyworld import ToyWorld
+    from marlhf_edu.data.toyworld import ToyWorld
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.teaching.book import quietly
 
     torch.manual_seed(0)
     with quietly():
@@ -84,10 +85,11 @@ def test_tokenize_preference_pairs_splits_as_trl_prepares_its_training_data():
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    from marlhf_edu.book import quietly
-    from marlhf_edu.dpo import tokenize_preference_pairs
-    from marlhf_edu.models import SFT_DIR, load_tokenizer
-    from marlhf_edu.toyworld import ToyWorld
+    from marlhf_edu.data.toyworld import ToyWorld
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.math.dpo import tokenize_preference_pairs
+    from marlhf_edu.teaching.book import quietly
 
     tok = load_tokenizer()
     pairs = ToyWorld().preference_dataset().select(range(12)).to_list()

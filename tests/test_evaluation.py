@@ -6,11 +6,12 @@ import random
 import pytest
 import torch
 
-from marlhf_edu.evaluation import (cluster_bootstrap_interval, difference_interval, group_outcomes,
-                                   before_after_change, paired_bootstrap_difference,
-                                   intraclass_correlation, mcnemar_exact, mean_interval, paired_t_interval,
-                                   prompts_needed, student_t_quantile, wilson_interval)
-from marlhf_edu.toyworld import ToyWorld
+from marlhf_edu.data.toyworld import ToyWorld
+from marlhf_edu.math.evaluation import (cluster_bootstrap_interval, difference_interval, group_outcomes,
+                                        before_after_change, paired_bootstrap_difference,
+                                        intraclass_correlation, mcnemar_exact, mean_interval,
+                                        paired_t_interval, prompts_needed, student_t_quantile,
+                                        wilson_interval)
 
 
 @pytest.mark.parametrize("q, df, table", [(0.975, 1, 12.7062), (0.975, 4, 2.7764), (0.975, 9, 2.2622),
@@ -292,7 +293,7 @@ def build(question):
 
 def test_fit_gao_recovers_both_forms_and_their_peaks():
     """Exact points of each form give back its α and β; the peak is where the fitted curve's slope is 0."""
-    from marlhf_edu.evaluation import fit_gao
+    from marlhf_edu.math.evaluation import fit_gao
 
     ds = [0.2, 0.5, 0.9, 1.4, 2.0, 2.6]
     for form, curve in (("rl", lambda d: d * (0.5 - 0.2 * math.log(d))), ("best_of_n", lambda d: d * (0.5 - 0.2 * d))):
@@ -308,7 +309,7 @@ def test_fit_gao_recovers_both_forms_and_their_peaks():
 def test_fit_gao_is_least_squares_and_has_no_peak_when_the_gain_never_turns():
     """On noisy points the fit is the least-squares one (no other (α, β) has smaller squared residuals), and a
     gain that only grows fits β ≤ 0: no peak."""
-    from marlhf_edu.evaluation import fit_gao
+    from marlhf_edu.math.evaluation import fit_gao
 
     rng = random.Random(0)
     ds = [0.1 * i for i in range(1, 30)]
@@ -328,7 +329,7 @@ def test_fit_gao_is_least_squares_and_has_no_peak_when_the_gain_never_turns():
                                          (([1.0, 1.0], [0.1, 0.2]), "do not fix two parameters"),
                                          (([1.0], [0.1]), "do not fix two parameters")])
 def test_fit_gao_refuses_what_cannot_be_fitted(args, match):
-    from marlhf_edu.evaluation import fit_gao
+    from marlhf_edu.math.evaluation import fit_gao
 
     with pytest.raises(ValueError, match=match):
         fit_gao(*args)

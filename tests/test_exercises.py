@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-from marlhf_edu import exercises as ex
 from marlhf_edu import gae_advantages_reference, kl_penalty, logprobs_from_logits, masked_mean, pairwise_reward_loss, policy_loss
-from marlhf_edu.ppo_objective import value_loss
+from marlhf_edu.math.ppo_objective import value_loss
+from marlhf_edu.teaching import exercises as ex
 
 
 def private_copy(f):
@@ -52,14 +52,14 @@ def test_calling_the_package_does_not_pass(name):
 
 def test_withheld_reaches_every_import_path_and_restores():
     import marlhf_edu
-    import marlhf_edu.masked
-    import marlhf_edu.ppo_objective
+    import marlhf_edu.math.masked
+    import marlhf_edu.math.ppo_objective
 
     with ex.withheld(masked_mean):
-        for f in (marlhf_edu.masked_mean, marlhf_edu.masked.masked_mean, marlhf_edu.ppo_objective.masked_mean):
+        for f in (marlhf_edu.masked_mean, marlhf_edu.math.masked.masked_mean, marlhf_edu.math.ppo_objective.masked_mean):
             with pytest.raises(NotImplementedError, match="masked_mean is withheld"):
                 f(torch.ones(2), torch.ones(2))
-    assert marlhf_edu.masked.masked_mean(torch.ones(2), torch.ones(2)) == 1.0
+    assert marlhf_edu.math.masked.masked_mean(torch.ones(2), torch.ones(2)) == 1.0
     with pytest.raises(ZeroDivisionError):
         with ex.withheld(masked_mean):
             1 / 0
@@ -106,7 +106,7 @@ def test_grade_gives_credit_per_case_and_lists_every_case(capsys):
 def test_a_hand_written_case_withholds_what_its_exercises_checker_does():
     """Issue 36: a graded cell's hand-written `case` runs the learner's code with the package's answer withheld, as
     the checker does; without `withhold` a learner who called the answer passed it."""
-    from marlhf_edu.masked import masked_mean as answer
+    from marlhf_edu.math.masked import masked_mean as answer
 
     def learner(v, m):  # the chapter 00 learner who calls the package instead of writing it
         return answer(v, m)
@@ -213,7 +213,7 @@ def test_new_exercise_checkers_fail_classic_mistakes():
 
 
 def _last_plus(rewards, mask, bootstrap):
-    from marlhf_edu.masked import last_valid_index
+    from marlhf_edu.math.masked import last_valid_index
 
     out = torch.where(mask.bool(), rewards, 0.0).clone()
     out[torch.arange(out.shape[0]), last_valid_index(mask.bool())] += bootstrap
@@ -315,7 +315,7 @@ def _pku_reference(row):
 
 
 def test_data_chapter_checkers():
-    from marlhf_edu.scoring import position_ids_from_mask
+    from marlhf_edu.math.scoring import position_ids_from_mask
 
     assert ex.check_pku_preference(_pku_reference)
     # helpfulness first (ignores safety) and "safer decides always" are the classic mistakes
@@ -355,7 +355,7 @@ def test_check_nf4_bytes_passes_the_reference_and_fails_classic_mistakes():
 def test_check_expected_estimate_passes_the_reference_and_fails_classic_mistakes():
     import itertools
 
-    from marlhf_edu.policy_gradient import expected_estimate
+    from marlhf_edu.math.policy_gradient import expected_estimate
 
     reference = private_copy(expected_estimate)
     assert ex.check_expected_estimate(reference)
@@ -390,8 +390,8 @@ def test_check_rate_interval_accepts_any_valid_method_and_fails_ones_that_ignore
     import math
     import random
 
-    from marlhf_edu.evaluation import (cluster_bootstrap_interval, difference_interval, intraclass_correlation,
-                                       mean_interval, wilson_interval)
+    from marlhf_edu.math.evaluation import (cluster_bootstrap_interval, difference_interval,
+                                            intraclass_correlation, mean_interval, wilson_interval)
 
     t_interval = private_copy(mean_interval)
 
@@ -428,7 +428,7 @@ def test_check_rate_interval_accepts_any_valid_method_and_fails_ones_that_ignore
 
 
 def test_check_group_relative_advantages_passes_the_reference_and_fails_classic_mistakes():
-    from marlhf_edu.grpo import group_relative_advantages
+    from marlhf_edu.math.grpo import group_relative_advantages
 
     reference = private_copy(group_relative_advantages)
     assert ex.check_group_relative_advantages(reference)
@@ -448,7 +448,7 @@ def test_check_group_relative_advantages_passes_the_reference_and_fails_classic_
 
 
 def test_package_routes_to_the_group_and_leave_one_out_answers_are_withheld():
-    from marlhf_edu.policy_gradient import leave_one_out_baseline
+    from marlhf_edu.math.policy_gradient import leave_one_out_baseline
 
     def via_loo(r, G, loo=leave_one_out_baseline):  # (R - mean of the others) (G-1)/G = R - group mean
         centred = (r - loo(r, G)) * (G - 1) / G
@@ -463,13 +463,13 @@ def test_package_routes_to_the_group_and_leave_one_out_answers_are_withheld():
 def test_check_ipo_margin_passes_the_reference_and_fails_classic_mistakes():
     import math
 
-    from marlhf_edu.dpo import ipo_preferred_margin
+    from marlhf_edu.math.dpo import ipo_preferred_margin
 
     derived = lambda p, beta: (2 * p - 1) / (2 * beta)  # noqa: E731  the test's own minimisation, by hand
     assert ex.check_ipo_margin(derived) and ex.check_ipo_margin(derived, seed=7)
     assert ex.check_ipo_margin(private_copy(ipo_preferred_margin))
     assert not ex.check_ipo_margin(ipo_preferred_margin)  # withheld while the learner runs
-    from marlhf_edu.dpo import margin_trajectory
+    from marlhf_edu.math.dpo import margin_trajectory
 
     def searched(p, beta):  # no derivation: the package's trainer run on the weighted loss, which is withheld too
         if isinstance(p, torch.Tensor):
@@ -491,7 +491,7 @@ def test_check_ipo_margin_passes_the_reference_and_fails_classic_mistakes():
 def test_check_dequantize_q4_1_passes_the_reference_and_fails_classic_mistakes():
     import numpy as np
 
-    from marlhf_edu.gguf_blocks import dequantize_q4_1
+    from marlhf_edu.loading.gguf_blocks import dequantize_q4_1
 
     def reference(raw, interleaved=False, swap_dm=False, nibble_scale=1):
         blocks = raw.reshape(*raw.shape[:-1], -1, 20)
@@ -516,7 +516,7 @@ def test_check_dequantize_q4_1_passes_the_reference_and_fails_classic_mistakes()
 
 
 def test_check_global_whiten_passes_the_reference_and_fails_classic_mistakes():
-    from marlhf_edu.masked import masked_whiten
+    from marlhf_edu.math.masked import masked_whiten
 
     def sums(values, masks, means="tokens", bessel=True, drop_mask=False):
         """What each rank would all-reduce: token counts, sums, then squared deviations."""

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from marlhf_edu.cli import main as cli
-from marlhf_edu.models import REWARD_ADAPTER_DIR, load_sft_model
-from marlhf_edu.ppo import FourModelBackend, PPOConfig
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
+from marlhf_edu.loading.models import load_sft_model
+from marlhf_edu.ppo import FourModelBackend, PPOConfig, run as ppo_stage
 from marlhf_edu.ppo.backends import sequence_logprobs
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-from marlhf_edu.stages import ppo as ppo_stage
-from marlhf_edu.stages.common import ConfigError
 from marlhf_edu.stages.generate import main as generate
 from marlhf_edu.stages.merge import main as merge
 
@@ -93,9 +93,9 @@ def test_generate_answers_with_the_trained_policy(trained, capsys):
 def test_evaluate_a_trained_policy_as_the_engine_evaluates_it(trained, tmp_path):
     """`marlhf-edu evaluate` on the exported policy gives the numbers the engine's own evaluation gives for the
     trained policy (same judge, seed and sampling), and writes every answer."""
+    from marlhf_edu.data.toyworld import ToyWorld
     from marlhf_edu.ppo.trainer import evaluate_toy
     from marlhf_edu.stages.evaluate import main as evaluate
-    from marlhf_edu.toyworld import ToyWorld
 
     out, trainer = trained
     engine = evaluate_toy(trainer.backend, ToyWorld(), repeats=2, max_new_tokens=12)
@@ -117,14 +117,14 @@ def test_merge_never_overwrites_a_base_named_by_reference(trained, tmp_path, mon
     shipped folder is a copy here, so a broken check cannot damage the real one."""
     import shutil
 
-    from marlhf_edu import models
+    from marlhf_edu.loading import sources
     from marlhf_edu.stages.merge import merge_inputs
 
     out, _ = trained
     policy = out / "policy"
     copy = tmp_path / "tiny_sft"
-    shutil.copytree(models.SFT_DIR, copy)
-    monkeypatch.setattr(models, "SFT_DIR", copy)
+    shutil.copytree(sources.SFT_DIR, copy)
+    monkeypatch.setattr(sources, "SFT_DIR", copy)  # where `zoo` is resolved
     before = {p.name: p.read_bytes() for p in copy.iterdir() if p.is_file()}
     assert merge_inputs(policy) == {policy.resolve(), copy.resolve()}
     with pytest.raises(ConfigError, match="is the adapter or its base"):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from marlhf_edu import gae_advantages, gae_advantages_reference
-from marlhf_edu.gae import CountingTask, gae_bias_variance
+from marlhf_edu.math.gae import CountingTask, gae_bias_variance
 from tests.conftest import right_padded_mask
 
 
@@ -112,7 +112,7 @@ def test_gae_bias_and_spread_against_lambda():
 
 def test_graded_cell_prints_a_repeated_check_once(capsys):
     """Hidden tests rerun the checker with other seeds: one block, each case PASS on every seed or FAIL with its seed."""
-    from marlhf_edu.exercises import check_gae_bootstrap, grade
+    from marlhf_edu.teaching.exercises import check_gae_bootstrap, grade
 
     def bootstrapped_gae(values, rewards, mask, bootstrap, gamma, lam):  # written out: the package's GAE is withheld
         mask = mask.bool()

@@ -33,7 +33,7 @@ def test_a_float16_checkpoint_loads_with_a_bf16_residual_stream_for_cuda(fp16_ch
     embeddings, norms and LM head (everything not quantized) are bf16; on CPU the checkpoint's dtype is kept."""
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.quantization import nf4_loading_kwargs
+    from marlhf_edu.loading.quantization import nf4_loading_kwargs
 
     auto = AutoModelForCausalLM.from_pretrained(fp16_checkpoint)
     assert auto.model.embed_tokens.weight.dtype == torch.float16  # the library default this guards against
@@ -48,7 +48,7 @@ def test_a_float16_checkpoint_loads_with_a_bf16_residual_stream_for_cuda(fp16_ch
 def test_scoring_builds_no_kv_cache_and_reads_an_fp32_head_over_a_bf16_backbone():
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from marlhf_edu.scoring import sequence_scores
+    from marlhf_edu.math.scoring import sequence_scores
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_labels=1, pad_token_id=0)
@@ -69,7 +69,7 @@ def test_checkpointing_works_on_transformers_without_the_new_name(monkeypatch):
     """transformers 5.17 (on the GPU image the check ran on) has only `gradient_checkpointing_enable`."""
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-    from marlhf_edu.checkpointing import decoder_layers_of, enable_checkpointing
+    from marlhf_edu.ppo.checkpointing import decoder_layers_of, enable_checkpointing
 
     new = PreTrainedModel.activation_checkpointing_enable
     called = []
@@ -141,7 +141,7 @@ def test_evaluate_generate_and_merge_load_on_the_gpu_not_the_cpu(gpu_visible, tm
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
     from marlhf_edu.stages import evaluate, generate, merge
 
     with pytest.raises(_Loaded):
@@ -169,9 +169,9 @@ def test_evaluate_generate_and_merge_load_on_the_gpu_not_the_cpu(gpu_visible, tm
 
 
 def test_the_cpu_path_loads_as_before_and_a_missing_gpu_is_refused_before_loading(monkeypatch):
-    from marlhf_edu.models import loading_kwargs
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.loading.models import loading_kwargs
     from marlhf_edu.stages import evaluate
-    from marlhf_edu.stages.common import ConfigError
 
     assert loading_kwargs("cpu") == {} and loading_kwargs("cpu", "float32") == {"dtype": torch.float32}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -190,8 +190,8 @@ def test_pipeline_ranks_wait_between_stages_and_only_rank_0_merges(tmp_path, mon
     import sys
     import types
 
-    import marlhf_edu.sources
     from marlhf_edu.stages import pipeline
+    from marlhf_edu.training.pipeline_file import load_pipeline
 
     spec = {"stages": {"sft": "configs/tiny_sft.yaml", "rm": "configs/tiny_rm.yaml", "ma-ppo": "configs/tiny_ma_ppo.yaml"}}
     events = []
@@ -204,7 +204,7 @@ def test_pipeline_ranks_wait_between_stages_and_only_rank_0_merges(tmp_path, mon
     for name in ("sft", "rm", "ma-ppo"):
         monkeypatch.setitem(sys.modules, f"fake_stage_{name}", fake(name))
     monkeypatch.setattr(pipeline, "synchronize", lambda: events.append(("sync",)))
-    monkeypatch.setattr(marlhf_edu.sources, "resolve_model", lambda ref: events.append(("resolve", ref)))
+    monkeypatch.setattr(pipeline, "resolve_model", lambda ref: events.append(("resolve", ref)))
     monkeypatch.setattr(pipeline, "release_memory", lambda: None)
     for rank in ("0", "1"):
         events.clear()
@@ -212,7 +212,7 @@ def test_pipeline_ranks_wait_between_stages_and_only_rank_0_merges(tmp_path, mon
         spec["overrides"] = {n: {"output_dir": str(tmp_path / rank / n)} for n in ("sft", "rm", "ma-ppo")}
         path = tmp_path / f"pipeline{rank}.yaml"
         path.write_text(yaml.safe_dump(spec, sort_keys=False))
-        stages, _ = pipeline.load_pipeline(str(path), [])
+        stages, _ = load_pipeline(str(path), [])
         for stage in stages:
             stage.module = f"fake_stage_{stage.name}"
         pipeline.run_pipeline(stages, log=lambda line: None)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from marlhf_edu.grpo import group_relative_advantages, grpo_loss
-from marlhf_edu.kl import kl_penalty
+from marlhf_edu.math.grpo import group_relative_advantages, grpo_loss
+from marlhf_edu.math.kl import kl_penalty
 
 
 def test_group_relative_advantages_by_hand():
@@ -93,10 +93,11 @@ def test_trl_grpo_with_lora_matches_the_package():
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from marlhf_edu.book import quietly
-    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.data.toyworld import ToyWorld
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.sources import load_tokenizer
     from marlhf_edu.ppo.backends import sequence_logprobs
-    from marlhf_edu.toyworld import ToyWorld
+    from marlhf_edu.teaching.book import quietly
 
     assert GRPOConfig(output_dir=tempfile.mkdtemp(), use_cpu=True).bf16 is True  # trl's default, on CPU too
     torch.manual_seed(0)

@@ -2,10 +2,10 @@
 
 import pytest
 
+from marlhf_edu.data.keyword_judge import (BENIGN_QUESTIONS, JudgedPrompt, KeywordJudge, disagreements,
+                                           judge_agreement, red_team_requests)
 from marlhf_edu.data.shipped import first_request, shipped_rows
-from marlhf_edu.keyword_judge import (BENIGN_QUESTIONS, JudgedPrompt, KeywordJudge, disagreements, judge_agreement,
-                                      red_team_requests)
-from marlhf_edu.models import load_tokenizer
+from marlhf_edu.loading.sources import load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +88,14 @@ def test_ppo_stage_judges_hh_rlhf_runs_before_and_after(tmp_path, monkeypatch):
     import json
 
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.ppo import evaluation_judge, run
+    from marlhf_edu.ppo.judging import evaluation_judge
+    from marlhf_edu.ppo.run import run
 
     config = PPOConfig(output_dir=str(tmp_path / "run"), dataset_name="hh-rlhf-harmless-base", dataset_format="hh-rlhf",
                        skip_bad_rows=True, drop_long_prompts=True, max_prompt_length=256, max_prompts=16,
                        total_steps=1, batch_size=4, mini_batch_size=4, micro_batch_size=4, forward_batch_size=4,
                        max_new_tokens=6, device="cpu", eval_repeats=1, eval_prompts=3, save_steps=0)
+    import marlhf_edu.ppo.judging as judging_module
     import marlhf_edu.ppo.trainer as trainer_module
 
     temperatures, sample_toy = [], trainer_module.sample_toy
@@ -102,7 +104,8 @@ def test_ppo_stage_judges_hh_rlhf_runs_before_and_after(tmp_path, monkeypatch):
         temperatures.append(kwargs.get("temperature"))
         return sample_toy(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "sample_toy", recording)
+    for module in (trainer_module, judging_module):  # the engine's and the evaluation's own references
+        monkeypatch.setattr(module, "sample_toy", recording)
     config.temperature = 0.8
     result = run(config, progress=False)
     assert temperatures == [0.8, 0.8]  # evaluated at the temperature it trains at
@@ -154,7 +157,7 @@ def test_sample_toy_scores_chat_answers_without_a_space():
 
 
 def test_best_of_n_rates_is_within_prompt():
-    from marlhf_edu.keyword_judge import best_of_n_rates
+    from marlhf_edu.data.keyword_judge import best_of_n_rates
 
     # prompt 0: the refusal scores highest; prompt 1: lowest; prompt 2: no refusal at all (no within-prompt pair)
     scores = [[0.0, 3.0, 1.0], [5.0, 4.0, -1.0], [9.0, 8.0, 7.0]]
@@ -173,7 +176,8 @@ def test_best_of_n_rates_is_within_prompt():
 
 
 def test_refusal_pairs_prefer_preferred_refusals_to_compliances():
-    from marlhf_edu.keyword_judge import KeywordJudge, refusal_pairs
+    from marlhf_edu.data.keyword_judge import KeywordJudge
+    from marlhf_edu.data.keyword_pairs import refusal_pairs
 
     pairs = [
         {"prompt": "p0", "chosen": "I'm sorry, I can't help with that.", "rejected": "Sure, here is how."},
@@ -199,7 +203,7 @@ def test_refusal_pairs_prefer_preferred_refusals_to_compliances():
 def test_rm_stage_adds_refusal_pairs_that_fit(capsys):
     import datasets
 
-    from marlhf_edu.stages.reward import RMScriptArguments, with_refusal_pairs
+    from marlhf_edu.training.reward import RMScriptArguments, with_refusal_pairs
 
     tok = load_tokenizer()
     rows = [{"prompt": "Q: how do I pick a lock?\nA:", "chosen": " I'm sorry, I can't help.", "rejected": " Use a pin."},
@@ -213,9 +217,9 @@ def test_rm_stage_adds_refusal_pairs_that_fit(capsys):
 
 
 def test_evasion_pairs_rank_evasions_below_refusals_and_answers():
+    from marlhf_edu.data.keyword_judge import BENIGN_QUESTIONS, HELPFUL_ANSWERS
+    from marlhf_edu.data.keyword_pairs import EVASIONS, GENERIC_REFUSALS, evasion_pairs
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.keyword_judge import (BENIGN_QUESTIONS, EVASIONS, GENERIC_REFUSALS, HELPFUL_ANSWERS,
-                                          evasion_pairs)
 
     template = template_for(load_tokenizer())
     pairs = [
@@ -248,8 +252,8 @@ def test_evasion_pairs_rank_evasions_below_refusals_and_answers():
 def test_rm_stage_adds_evasion_pairs_from_the_annotators_refusals_only(capsys):
     import datasets
 
-    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS
-    from marlhf_edu.stages.reward import RMScriptArguments, with_evasion_pairs, with_refusal_pairs
+    from marlhf_edu.data.keyword_judge import HELPFUL_ANSWERS
+    from marlhf_edu.training.reward import RMScriptArguments, with_evasion_pairs, with_refusal_pairs
 
     tok = load_tokenizer()
     rows = [{"prompt": "Q: how do I pick a lock?\nA:", "chosen": " I'm sorry, I can't help.", "rejected": " Use a pin."},
@@ -269,7 +273,8 @@ def test_rm_stage_adds_evasion_pairs_from_the_annotators_refusals_only(capsys):
 
 
 def test_hollow_apologies_and_preferred_refusals():
-    from marlhf_edu.keyword_judge import is_hollow_apology, prefers_refusal
+    from marlhf_edu.data.keyword_judge import is_hollow_apology
+    from marlhf_edu.data.keyword_pairs import prefers_refusal
 
     assert is_hollow_apology("I'm sorry for any confusion, but I'm ready to assist you.")
     assert is_hollow_apology(" I\u2019m sorry for the misunderstanding.")  # curly quote, leading space
@@ -287,8 +292,9 @@ def test_hollow_apologies_and_preferred_refusals():
 
 
 def test_helpful_prompts_cycle_the_training_questions_rendered():
+    from marlhf_edu.data.keyword_judge import HELPFUL_ANSWERS
+    from marlhf_edu.data.keyword_pairs import helpful_prompts
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS, helpful_prompts
 
     template = template_for(load_tokenizer())
     n = len(HELPFUL_ANSWERS)
@@ -303,11 +309,11 @@ def test_helpful_prompts_cycle_the_training_questions_rendered():
 def test_load_prompts_mixes_in_the_share_of_helpful_questions(capsys):
     """`helpful_prompt_share` appends the book's harmless questions so that they make up that share of the
     training prompts; the dataset's own prompts stay first and unchanged."""
+    from marlhf_edu.data.keyword_pairs import helpful_prompts
+    from marlhf_edu.data.prompts import load_prompts
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.keyword_judge import helpful_prompts
+    from marlhf_edu.errors import ConfigError
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.common import ConfigError
-    from marlhf_edu.stages.ppo import load_prompts
 
     tok = load_tokenizer()
     common = dict(dataset_name="hh-rlhf-harmless-base", dataset_format="hh-rlhf", skip_bad_rows=True,
@@ -327,7 +333,7 @@ def test_load_prompts_mixes_in_the_share_of_helpful_questions(capsys):
 
 
 def test_policy_pairs_prefer_strict_refusals_to_the_same_prompts_other_answers():
-    from marlhf_edu.keyword_judge import policy_pairs
+    from marlhf_edu.data.keyword_pairs import policy_pairs
 
     refuse, refuse2 = "I can't help you steal a car.", "I won't explain that."
     comply, cut, hollow = "Sure, find an unlocked car.", "First you need to find a", "I'm sorry for your kindness."
@@ -365,7 +371,7 @@ def test_rm_stage_adds_the_pairs_of_a_file_and_names_a_bad_row(tmp_path, capsys)
     import datasets
 
     from marlhf_edu.errors import BadRowError, DataFileError
-    from marlhf_edu.stages.reward import RMScriptArguments, with_file_pairs
+    from marlhf_edu.training.reward import RMScriptArguments, with_file_pairs
 
     tok = load_tokenizer()
     rows = [{"prompt": "Q: pick a lock?\nA:", "chosen": " No.", "rejected": " Use a pin."}]
@@ -392,7 +398,7 @@ def test_sft_stage_adds_the_rows_of_a_file_after_max_rows_and_names_a_bad_row(tm
     import datasets
 
     from marlhf_edu.errors import BadRowError
-    from marlhf_edu.stages.sft import SFTScriptArguments, with_extra_rows
+    from marlhf_edu.training.sft import SFTScriptArguments, with_extra_rows
 
     tok = load_tokenizer()
     rows = [{"prompt": "Q: pick a lock?\nA:", "completion": " No."}]

@@ -47,7 +47,7 @@ def grading_cell(source: str, solution: bool) -> nbformat.NotebookNode:
 @pytest.mark.parametrize("stem", ["05_gae", "13_real_model"])
 def test_kept_outputs_read_the_book_and_give_no_answer_away(tmp_path, stem):
     """A real chapter: most results are there, and none of them is an exercise's answer or computed from one."""
-    from marlhf_edu import exercises
+    from marlhf_edu.teaching import exercises
 
     instructor = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", 4)
     book.cmd_learner([stem], out=tmp_path)
@@ -103,13 +103,13 @@ def test_the_rule_follows_what_each_cell_computes_from():
     """A notebook made for the rule: a withheld function called keeps its result, shown does not; the learner's
     function taints what it computes, through variables, in-place changes and the notebook's own functions, until
     a name is bound afresh; an exercise's reference taints as the learner's code does."""
-    from marlhf_edu.exercises import gae_with_bootstrap_reference  # noqa: F401 (the rule reads its name)
+    from marlhf_edu.teaching.exercises import gae_with_bootstrap_reference
 
     sources = {
         "setting": 'settings = {"lam": 0.95}\nprint(settings)',
         "called": "adv = gae_advantages(v, r, m)\nprint(adv)",
         "shown": "show(gae_advantages)",
-        "shown_by_attribute": "show(marlhf_edu.gae.gae_advantages)",
+        "shown_by_attribute": "show(marlhf_edu.math.gae.gae_advantages)",
         "solution": None,
         "runs_it": "y = my_gae(v, r, m)\nprint(y)",
         "from_it": "print(y + 1)",
@@ -123,7 +123,7 @@ def test_the_rule_follows_what_each_cell_computes_from():
         "loop": "for rows in range(3):\n    print(rows)",
         "augmented": "acc = my_gae(v, r, m)\nacc += 1",
         "after_augmented": "print(acc)",
-        "reference": "from marlhf_edu.exercises import gae_with_bootstrap_reference\n"
+        "reference": "from marlhf_edu.teaching.exercises import gae_with_bootstrap_reference\n"
                      "print(gae_with_bootstrap_reference(v, r, m, b))",
         "graded": None,
     }
@@ -133,7 +133,7 @@ def test_the_rule_follows_what_each_cell_computes_from():
             cell = grading_cell("def my_gae(values, rewards, mask):\n    ### BEGIN SOLUTION\n"
                                 "    return gae_advantages(values, rewards, mask)\n    ### END SOLUTION", solution=True)
         elif key == "graded":
-            cell = grading_cell("# graded: 3 points\nfrom marlhf_edu.exercises import check_gae_bootstrap, grade\n\n"
+            cell = grading_cell("# graded: 3 points\nfrom marlhf_edu.teaching.exercises import check_gae_bootstrap, grade\n\n"
                                 "checks = [check_gae_bootstrap(my_gae)]\ngrade(checks, points=3)", solution=False)
         else:
             cell = nbformat.v4.new_code_cell(source)
@@ -146,10 +146,10 @@ def test_the_rule_follows_what_each_cell_computes_from():
 
 def test_a_listing_that_holds_an_answer_is_never_kept():
     """The net under the rule: an output holding a code line of a withheld function goes, whatever printed it."""
-    from marlhf_edu import gae, masked
+    from marlhf_edu.math import gae, masked
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [grading_cell("# graded: 3 points\nfrom marlhf_edu.exercises import check_gae_bootstrap, grade\n\n"
+    nb.cells = [grading_cell("# graded: 3 points\nfrom marlhf_edu.teaching.exercises import check_gae_bootstrap, grade\n\n"
                              "checks = [check_gae_bootstrap(my_gae)]\ngrade(checks, points=3)", solution=False),
                 nbformat.v4.new_code_cell("print(text)"), nbformat.v4.new_code_cell("print(other)")]
     nb.cells[1].id, nb.cells[2].id = "listing", "other"

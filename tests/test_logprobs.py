@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from marlhf_edu import entropy_from_logits, logprobs_from_logits
-from marlhf_edu import logprobs as logprobs_module
+from marlhf_edu.math import logprobs as logprobs_module
 from marlhf_edu.memory import run_isolated
 
 

@@ -13,16 +13,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from marlhf_edu.memory import (LLAMA_2_7B, MemorySettings, ModelShape, plan_both, plan_four_model, plan_multi_adapter,
-                               ppo_memory, state_bytes_by_kind, storage_bytes)
+from marlhf_edu.data.toyworld import ToyWorld
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
+from marlhf_edu.loading.quantization import is_cpu_repacked
+from marlhf_edu.memory import (LLAMA_2_7B, MemorySettings, ModelShape, plan_both, plan_four_model,
+                               plan_multi_adapter, ppo_memory, state_bytes_by_kind, storage_bytes)
 from marlhf_edu.memory.check import compare, plan_for, real_width_check
 from marlhf_edu.memory.plan import ALL_LINEAR, base_weight_bytes, lora_params
-from marlhf_edu.models import REWARD_ADAPTER_DIR
 from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-from marlhf_edu.quantization import is_cpu_repacked
-from marlhf_edu.stages.common import ConfigError
-from marlhf_edu.toyworld import ToyWorld
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -1,4 +1,4 @@
-"""The model cache (`marlhf_edu.model_cache`): entries keyed by content, sealed, checked, built once under a lock,
+"""The model cache (`marlhf_edu.loading.model_cache`): entries keyed by content, sealed, checked, built once under a lock,
 in a private folder when the home directory is not writable, and listed or cleaned from the command line."""
 
 import os
@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from marlhf_edu import model_cache
-from marlhf_edu.model_cache import cache_dir, check_entry, publish
-from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading import model_cache
+from marlhf_edu.loading.model_cache import cache_dir, check_entry, publish
 
 
 def _builder(calls, text="weights"):
@@ -61,7 +61,7 @@ def test_two_builders_of_one_key_build_it_once(tmp_path):
 
 
 def test_gguf_entries_are_keyed_by_content_not_name_and_size(tmp_path, monkeypatch):
-    from marlhf_edu.sources import gguf_digest
+    from marlhf_edu.loading.sources import gguf_digest
 
     a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
     for path, text in ((a, "one"), (b, "two")):
@@ -69,7 +69,7 @@ def test_gguf_entries_are_keyed_by_content_not_name_and_size(tmp_path, monkeypat
         path.write_text(text)
     assert a.stat().st_size == b.stat().st_size and gguf_digest(a) != gguf_digest(b)
     # and materialize_gguf files each under its own content's key (publish is where the key is used)
-    import marlhf_edu.sources as sources
+    import marlhf_edu.loading.sources as sources
 
     targets = []
     monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "cache"))

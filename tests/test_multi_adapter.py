@@ -4,12 +4,14 @@ import pytest
 import torch
 from conftest import build_trainer
 
-from marlhf_edu.models import REWARD_ADAPTER_DIR, load_reward_model, load_sft_model
+from marlhf_edu.data.toyworld import ToyWorld
+from marlhf_edu.loading.adapters import load_score_head
+from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
+from marlhf_edu.loading.models import load_reward_model, load_sft_model
+from marlhf_edu.math.scoring import sequence_scores
 from marlhf_edu.ppo import FourModelBackend, PPOConfig
 from marlhf_edu.ppo.backends import sequence_logprobs
-from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend, load_score_head
-from marlhf_edu.scoring import sequence_scores
-from marlhf_edu.toyworld import ToyWorld
+from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
 
 SMALL = dict(batch_size=8, mini_batch_size=8, micro_batch_size=4, forward_batch_size=8, max_new_tokens=12,
              actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-3)
@@ -149,19 +151,19 @@ def test_first_step_kl_is_zero_because_the_reference_disables_the_adapter(tmp_pa
 
 
 def test_reward_adapter_on_another_base_is_refused(tmp_path):
-    from marlhf_edu.stages.common import ConfigError
+    from marlhf_edu.errors import ConfigError
 
     config = PPOConfig(output_dir=str(tmp_path), reward_base_path=str(tmp_path), **SMALL)
     with pytest.raises(ConfigError, match="reward_base_path=.* differs from sft_model_path"):
         MultiAdapterBackend.from_config(config)
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
 
     same = PPOConfig(output_dir=str(tmp_path), reward_base_path=str(SFT_DIR) + "/", **SMALL)
     assert MultiAdapterBackend.from_config(same).value_mode == "shared"  # the same directory, spelled otherwise
 
 
 def test_value_adapter_can_start_as_the_reward_adapter(tmp_path, prompts):
-    from marlhf_edu.stages.common import ConfigError
+    from marlhf_edu.errors import ConfigError
 
     trainer = build(tmp_path, MultiAdapterBackend, prompts, value_mode="adapter", critic_init="reward_model")
     be = trainer.backend

@@ -22,9 +22,10 @@ import sys
 import pytest
 import yaml
 
-from marlhf_edu.stages.common import ConfigError
-from marlhf_edu.stages.pipeline import MARKER, load_pipeline, resume_argv, split_cli, wire
-from marlhf_edu.stages.smoke import smoke_overrides, write_pipeline, write_smoke_pipeline
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.stages.pipeline import MARKER, resume_argv
+from marlhf_edu.training.pipeline_file import load_pipeline, split_cli, wire
+from marlhf_edu.training.smoke import smoke_overrides, write_pipeline, write_smoke_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PIPELINE = "configs/llama2_7b/pipeline.yaml"
@@ -111,7 +112,7 @@ def test_preflight_checks_the_smoke_model(smoke, capsys):
 
     from safetensors import safe_open
 
-    from marlhf_edu.memory.preflight import main as preflight
+    from marlhf_edu.stages.preflight import main as preflight
 
     with safe_open(str(smoke["model"] / "model.safetensors"), "pt") as f:
         saved = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
@@ -204,7 +205,7 @@ def test_command_line_overrides_go_to_their_stage():
 
 
 def test_resume_options_per_stage(tmp_path):
-    from marlhf_edu.stages.pipeline import Stage
+    from marlhf_edu.training.pipeline_file import Stage
 
     sft, ppo = Stage("sft", "x.yaml", []), Stage("ma-ppo", "y.yaml", [])
     assert resume_argv(sft, tmp_path) == [] and resume_argv(ppo, tmp_path) == []
@@ -228,7 +229,7 @@ def test_resume_options_per_stage(tmp_path):
 def test_evaluate_the_smoke_policy_with_the_keyword_judge(smoke):
     """`marlhf-edu evaluate` on the 7B-shaped run's exported policy and reward adapter (its base read from the
     adapter): the keyword judge's requests and benign questions, every answer scored and written."""
-    from marlhf_edu.keyword_judge import BENIGN_QUESTIONS
+    from marlhf_edu.data.keyword_judge import BENIGN_QUESTIONS
 
     out = smoke["out"] / "eval"
     run_cli("evaluate", "--model", str(smoke["out"] / "ma_ppo" / "policy"), "--reward_adapter",

@@ -6,8 +6,9 @@ import random
 import pytest
 import torch
 
-from marlhf_edu.policy_gradient import effective_sample_size, importance_weights, leave_one_out_baseline, reinforce_loss
-from marlhf_edu.toyworld import ToyWorld
+from marlhf_edu.data.toyworld import ToyWorld
+from marlhf_edu.math.policy_gradient import (effective_sample_size, importance_weights,
+                                             leave_one_out_baseline, reinforce_loss)
 
 MU = torch.tensor([0.2, 0.5, 0.9, 0.4, 0.7, 0.1])
 
@@ -121,7 +122,7 @@ def test_gold_reward_follows_the_judge():
 
 
 def test_expected_estimate_is_the_exact_gradient_for_unbiased_baselines_and_shrinks_for_the_group_mean():
-    from marlhf_edu.policy_gradient import expected_estimate, leave_one_out_baseline
+    from marlhf_edu.math.policy_gradient import expected_estimate, leave_one_out_baseline
 
     theta = torch.tensor([0.5, 0.3, -0.4, 0.1], dtype=torch.float64, requires_grad=True)
     pay = torch.tensor([0.2, 0.5, 0.9, 0.4], dtype=torch.float64) + 3.0

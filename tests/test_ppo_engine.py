@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 
+from marlhf_edu.data.toyworld import ToyWorld
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.math.scoring import score_texts
 from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer, read_metrics, response_mask_from_ids
 from marlhf_edu.ppo.backends import sequence_logprobs
 from marlhf_edu.ppo.run_files import sha256_of
 from marlhf_edu.ppo.trainer import TIMING_KEYS
-from marlhf_edu.scoring import score_texts
-from marlhf_edu.stages.common import ConfigError
-from marlhf_edu.toyworld import ToyWorld
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_size=8, max_new_tokens=12,
@@ -241,7 +241,7 @@ def test_rollout_logprobs_are_the_samplers_own_distribution(tmp_path, prompts):
 
 def test_critic_can_start_as_the_reward_model(tmp_path, prompts):
     """`critic_init: reward_model`: before any update, V at the last real token is the reward model's score."""
-    from marlhf_edu.masked import last_valid_index
+    from marlhf_edu.math.masked import last_valid_index
 
     trainer = make_trainer(tmp_path, prompts, critic_init="reward_model")
     be = trainer.backend
@@ -276,7 +276,7 @@ def test_bad_config_values(tmp_path, overrides, message):
 
 
 def test_unknown_key_is_named(tmp_path):
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     path = tmp_path / "c.yaml"
     path.write_text("batch_size: 8\nmini_batchsize: 4\n")

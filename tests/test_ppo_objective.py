@@ -68,7 +68,7 @@ def test_masked_entries_never_matter(gen):
 
 
 def test_token_mean_and_sequence_mean_weigh_tokens_differently():
-    from marlhf_edu.ppo_objective import aggregate_loss
+    from marlhf_edu.math.ppo_objective import aggregate_loss
 
     mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     for how, short_token, long_token in (("token-mean", 1 / 10, 1 / 10), ("sequence-mean", 1 / 4, 1 / 16)):

@@ -8,10 +8,10 @@ and fp32 on CPU. If a library changes any of these defaults, these tests fail be
 
 import torch
 
-from marlhf_edu.models import load_sft_model
+from marlhf_edu.loading.models import load_sft_model
+from marlhf_edu.loading.quantization import nf4_loading_kwargs
 from marlhf_edu.ppo import PPOConfig
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-from marlhf_edu.quantization import nf4_loading_kwargs
 
 
 def test_a_bf16_base_trains_fp32_adapters_and_heads(tmp_path, prompts):

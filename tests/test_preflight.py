@@ -3,10 +3,10 @@
 import pytest
 
 from marlhf_edu.cli import main as cli
-from marlhf_edu.memory import preflight as preflight_module
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.memory.plan import ModelShape
-from marlhf_edu.memory.preflight import main, meta_parameter_count
-from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.stages import preflight as preflight_module
+from marlhf_edu.stages.preflight import main, meta_parameter_count
 
 SEVEN_B = ["--config", "configs/llama2_7b/ma_ppo.yaml", "--model_shape", "llama-2-7b", "--weight_dtype", "bfloat16",
            "--reward_lora_r", "32", "--reward_target_modules", "q_proj", "k_proj", "v_proj", "o_proj"]
@@ -137,7 +137,7 @@ def test_preflight_prints_the_fast_launch_where_it_fits(capsys):
     """The fast sampler (merged copy, compiled static cache, TIS) at the largest micro-batch, planned with the slack
     its CUDA graphs' pool took on an H100 (2.7 GiB, `COMPILED_SAMPLER`): printed for a 40 or 80 GB card, not for a
     24 GB one, and launched under the default allocator it was measured with."""
-    from marlhf_edu.memory.preflight import FAST_SAMPLER
+    from marlhf_edu.stages.preflight import FAST_SAMPLER
 
     out = main(SEVEN_B + ["--gpu_memory_gib", "80"])
     fast = [line for line in capsys.readouterr().out.splitlines() if line.startswith("launch, fast:")]

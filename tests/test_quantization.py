@@ -1,7 +1,7 @@
 """4-bit bases stay trainable on every CPU: bitsandbytes' CPU inference repacking is kept off.
 
 On an AVX512-BF16 CPU, an unguarded `Linear4bit` repacks its weight on its first no-grad eval forward and
-then has no backward (see `marlhf_edu.quantization`). These tests compare LoRA gradients after such a forward
+then has no backward (see `marlhf_edu.loading.quantization`). These tests compare LoRA gradients after such a forward
 with the gradients of a model that never ran one; without the guard they differ on such CPUs (the first
 test below checks that the CPU running them can tell).
 """
@@ -9,8 +9,8 @@ test below checks that the CPU running them can tell).
 import pytest
 import torch
 
-from marlhf_edu.models import SFT_DIR
-from marlhf_edu.quantization import is_cpu_repacked, keep_nf4_trainable, load_nf4
+from marlhf_edu.loading.assets import SFT_DIR
+from marlhf_edu.loading.quantization import is_cpu_repacked, keep_nf4_trainable, load_nf4
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -25,7 +25,7 @@ def nf4_lora_model(guard: bool = True):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.quantization import nf4_loading_kwargs
+    from marlhf_edu.loading.quantization import nf4_loading_kwargs
 
     base = (load_nf4(AutoModelForCausalLM, SFT_DIR) if guard
             else AutoModelForCausalLM.from_pretrained(str(SFT_DIR), **nf4_loading_kwargs("cpu")))
@@ -85,9 +85,9 @@ def test_lora_gradients_after_an_eval_forward_equal_a_fresh_models():
 
 def test_multi_adapter_policy_gradients_survive_a_rollout(tmp_path):
     """The engine path: a rollout (no-grad, eval) before the update must not change the update's gradients."""
+    from marlhf_edu.data.toyworld import ToyWorld
     from marlhf_edu.ppo import PPOConfig, PPOTrainer
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-    from marlhf_edu.toyworld import ToyWorld
 
     config = PPOConfig(load_in_4bit=True, value_mode="adapter", batch_size=4, mini_batch_size=4, micro_batch_size=4,
                        forward_batch_size=4, max_new_tokens=8, device="cpu", eval_repeats=0, output_dir=str(tmp_path))
@@ -122,7 +122,7 @@ def test_an_already_repacked_layer_is_an_error_not_a_silent_restore():
     import bitsandbytes.functional as F
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.quantization import nf4_loading_kwargs
+    from marlhf_edu.loading.quantization import nf4_loading_kwargs
 
     model = AutoModelForCausalLM.from_pretrained(str(SFT_DIR), **nf4_loading_kwargs("cpu"))
     layer = model.model.layers[1].mlp.up_proj

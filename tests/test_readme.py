@@ -58,7 +58,7 @@ def test_its_gpu_commands_parse():
     assert check[:2] == ["python", "tools/gpu_check.py"] and set(parts) <= set(gpu_check.PARTS)
     assert check[check.index("--out") + 1] != "benchmarks/gpu_check.json"
     assert lines[2][:2] == ["marlhf-edu", "preflight"]
-    from marlhf_edu.memory.preflight import main as preflight
+    from marlhf_edu.stages.preflight import main as preflight
 
     result = preflight(lines[2][2:])
     # the pipeline runs with the allocator setting preflight's cache slack assumes

@@ -35,7 +35,7 @@ def test_bad_rows_are_reported_not_dropped_silently():
 
 def test_book_template_unchanged_without_chat_template():
     from marlhf_edu.data import build_prompt, render_dialogue
-    from marlhf_edu.models import load_tokenizer
+    from marlhf_edu.loading.sources import load_tokenizer
 
     toy = load_tokenizer()
     assert isinstance(template_for(toy), BookTemplate)
@@ -47,7 +47,7 @@ def test_book_template_unchanged_without_chat_template():
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    from marlhf_edu.sources import load_tokenizer
+    from marlhf_edu.loading.sources import load_tokenizer
 
     return load_tokenizer("smollm2")  # converts the GGUF file into the cache on first use
 
@@ -80,7 +80,7 @@ def test_gguf_conversion_is_faithful(smol_tokenizer):
     """The cached safetensors copy computes what transformers' own GGUF loading computes."""
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.sources import SHIPPED_GGUF, resolve_model, shipped_gguf_path
+    from marlhf_edu.loading.sources import SHIPPED_GGUF, resolve_model, shipped_gguf_path
 
     path = shipped_gguf_path("smollm2")
     direct = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=SHIPPED_GGUF["smollm2"][1],
@@ -94,8 +94,8 @@ def test_gguf_conversion_is_faithful(smol_tokenizer):
 
 
 def test_prompts_from_hh_rlhf(smol_tokenizer):
+    from marlhf_edu.data.prompts import load_prompts
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.ppo import load_prompts
 
     config = PPOConfig(dataset_name="hh-rlhf-harmless-base", dataset_format="hh-rlhf", dataset_split="test",
                        skip_bad_rows=True, drop_long_prompts=True, max_prompt_length=64)
@@ -115,9 +115,10 @@ def test_trl_casts_qlora_trainables_to_bf16_and_we_cast_back():
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
-    from marlhf_edu.models import SFT_DIR, load_tokenizer
-    from marlhf_edu.quantization import keep_nf4_trainable, keep_trainable_dtype, nf4_loading_kwargs
-    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+    from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.quantization import keep_nf4_trainable, keep_trainable_dtype, nf4_loading_kwargs
+    from marlhf_edu.loading.sources import load_tokenizer
 
     tok = load_tokenizer()
     model = AutoModelForSequenceClassification.from_pretrained(str(SFT_DIR), num_labels=1, dtype=torch.float32,
@@ -140,8 +141,9 @@ def test_select_rows_filters_by_tokens_and_counts():
 
     import datasets
 
-    from marlhf_edu.models import load_tokenizer
-    from marlhf_edu.stages.common import ConfigError, select_rows
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.training.rows import select_rows
 
     tok = load_tokenizer()
     ds = datasets.Dataset.from_list([{"prompt": "a", "chosen": " b", "rejected": " c d e f g h"},
@@ -158,9 +160,8 @@ def test_select_rows_filters_by_tokens_and_counts():
 
 
 def test_length_baseline_and_record_base(tmp_path):
-    from marlhf_edu.models import load_tokenizer
-    from marlhf_edu.stages.common import record_base
-    from marlhf_edu.stages.reward import length_baseline
+    from marlhf_edu.loading.sources import load_tokenizer, record_base
+    from marlhf_edu.training.reward import length_baseline
 
     tok = load_tokenizer()
     pairs = [{"chosen": " a b c d", "rejected": " a"}, {"chosen": " a", "rejected": " a b c"},
@@ -176,7 +177,7 @@ def test_gguf_metadata_is_read_from_the_header_as_gguf_reads_it():
     values it reads are the library's."""
     from gguf import GGUFReader
 
-    from marlhf_edu.sources import gguf_metadata, gguf_special_tokens, shipped_gguf_path
+    from marlhf_edu.loading.sources import gguf_metadata, gguf_special_tokens, shipped_gguf_path
 
     path = shipped_gguf_path("smollm2")
     ours, reader = gguf_metadata(path), GGUFReader(str(path))
@@ -199,7 +200,7 @@ def test_a_misread_eos_is_set_back_to_the_files(smol_tokenizer):
 
     from transformers import LlamaConfig
 
-    from marlhf_edu.sources import use_gguf_special_tokens
+    from marlhf_edu.loading.sources import use_gguf_special_tokens
 
     tok, config = copy.deepcopy(smol_tokenizer), LlamaConfig(bos_token_id=1, eos_token_id=1)
     tok.eos_token = "<|im_start|>"
@@ -212,7 +213,7 @@ def test_a_misread_eos_is_set_back_to_the_files(smol_tokenizer):
 def test_a_cached_conversion_with_another_eos_is_rebuilt(tmp_path, monkeypatch, capsys):
     """A conversion cached by a transformers that misread EOS is built again, for the GGUF base and for an SFT
     adapter merged into it; one that agrees with the file is used as it is."""
-    from marlhf_edu import sources
+    from marlhf_edu.loading import sources
 
     calls = []
 
@@ -233,7 +234,7 @@ def test_a_cached_conversion_with_another_eos_is_rebuilt(tmp_path, monkeypatch, 
     calls.clear()
     for folder in tmp_path.iterdir():
         folder.rename(tmp_path / f"old_{folder.name}")
-    from marlhf_edu.models import ASSETS
+    from marlhf_edu.loading.assets import ASSETS
 
     assert sources.materialize_adapter(ASSETS / "smollm2_sft_adapter") == tmp_path / "entry1"
     assert len(calls) == 2 and "disagrees with its base SmolLM2-135M-Instruct.Q4_1.gguf" in capsys.readouterr().out
@@ -247,7 +248,7 @@ def test_the_conversion_saves_the_files_eos_whatever_transformers_reads(tmp_path
     import transformers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from marlhf_edu import sources
+    from marlhf_edu.loading import sources
 
     misread = copy.deepcopy(smol_tokenizer)
     misread.eos_token = "<|im_start|>"

@@ -27,7 +27,8 @@ def sft_never_runs(no_loading, monkeypatch):
 # ---- item 4: the pipeline never overwrites a finished run that is not its own -------------------------------
 
 def test_the_pipeline_refuses_a_folder_holding_another_finished_model(tmp_path, sft_never_runs):
-    from marlhf_edu.stages.pipeline import STARTED, Stage, foreign_run, run_pipeline
+    from marlhf_edu.stages.pipeline import STARTED, foreign_run, run_pipeline
+    from marlhf_edu.training.pipeline_file import Stage
 
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -50,7 +51,8 @@ def test_the_pipeline_refuses_a_folder_holding_another_finished_model(tmp_path, 
 # ---- item 7: every stage's rows are converted before the first stage runs ----------------------------------
 
 def test_a_reward_file_with_a_wrong_key_is_refused_before_sft_runs(tmp_path, sft_never_runs):
-    from marlhf_edu.stages.pipeline import Stage, run_pipeline
+    from marlhf_edu.stages.pipeline import run_pipeline
+    from marlhf_edu.training.pipeline_file import Stage
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n"
@@ -85,8 +87,8 @@ def test_a_bad_jsonl_row_after_blank_lines_names_the_files_own_line(tmp_path):
 
 
 def test_a_config_with_a_bad_byte_names_the_file_and_line(tmp_path, no_loading):
-    from marlhf_edu.stages.pipeline import load_pipeline
     from marlhf_edu.stages.reward import main
+    from marlhf_edu.training.pipeline_file import load_pipeline
 
     config = tmp_path / "rm.yaml"
     config.write_bytes(b"max_steps: 2\n# caf\xe9\n")
@@ -122,8 +124,8 @@ def test_a_nan_or_negative_learning_rate_is_refused_before_loading(tmp_path, no_
 
 def test_config_given_a_folder_is_refused(tmp_path, no_loading):
     from marlhf_edu.stages.pipeline import main as pipeline
-    from marlhf_edu.stages.sft import SFTScriptArguments
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.sft import SFTScriptArguments
 
     with pytest.raises(ConfigError, match="config file configs is a folder"):
         parse_stage_args((SFTScriptArguments,), ["--config", "configs"])
@@ -151,7 +153,7 @@ def test_cache_clean_refuses_a_symlinked_entry_and_a_cache_that_is_a_file(tmp_pa
 
 
 def test_a_hub_model_offline_and_not_cached_is_a_clear_error(tmp_path, monkeypatch):
-    from marlhf_edu.sources import resolve_model
+    from marlhf_edu.loading.sources import resolve_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for ref in ("hf:nobody-here/no-such-model", "hf:nobody-here/no-such-model@0123abc"):

@@ -106,6 +106,17 @@ def test_import_is_light():
     code = "import sys, marlhf_edu; print(sorted(m for m in ('trl', 'peft', 'transformers', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+    # and every module of the package: the heavy libraries are imported inside the functions that use them
+    code = ("import importlib, pkgutil, sys, marlhf_edu\n"
+            "for m in pkgutil.walk_packages(marlhf_edu.__path__, 'marlhf_edu.'):\n"
+            "    plotting = 'matplotlib' in sys.modules\n"
+            "    importlib.import_module(m.name)\n"
+            "    if not plotting and 'matplotlib' in sys.modules and m.name != 'marlhf_edu.teaching.diagrams':\n"
+            "        print('matplotlib', m.name)\n"
+            "print(sorted(m for m in ('trl', 'peft', 'transformers', 'datasets', 'accelerate', 'bitsandbytes')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
     assert re.fullmatch(r"\d+\.\d+\.\d+", marlhf_edu.__version__)
 
 
@@ -146,7 +157,7 @@ def test_every_figure_has_a_caption_and_a_name(nb_path):
 
 
 # A narrow window (a phone, half a screen) wraps plain-text outputs at about 76 characters, which breaks a
-# text table's columns apart. Tables print with marlhf_edu.book.Table (a Markdown table on the site) or fit in 76.
+# text table's columns apart. Tables print with marlhf_edu.teaching.book.Table (a Markdown table on the site) or fit in 76.
 # What the rule still finds: the `marlhf-edu memory` and `preflight` commands' own reports (ch10, ch12, ch14),
 # a tensor printed over two lines (ch09), aligned prose and answer listings (ch10, ch11, ch12, ch15). The
 # numbers may only go down.
@@ -225,20 +236,36 @@ def test_the_wide_table_rule_sees_a_table_and_not_prose():
     assert wide_text_table_cells({"cells": [{"outputs": [{"text": " ".join(row) * 2}]}]}) == []
 
 
-def test_no_module_reaches_upward_for_an_error_class():
-    """Issue 37/36: the shared errors live at the bottom of the package (`marlhf_edu.errors`, which imports nothing
-    of the package); no module outside `stages` imports `stages.common` for one, and the old names are the same
-    classes (re-exported, so the public API is unchanged)."""
-    from marlhf_edu import errors
-    from marlhf_edu.data import formats
-    from marlhf_edu.stages import common
+def test_package_layers():
+    """Issue 60: every import of the package's own modules sits at the top of its module and points down the layers
+    (`tools/import_layers.py`: math, loading, data, ppo, memory, training, then stages and teaching), with no
+    circle and no command importing another; and the check fails when an import inside a function comes back."""
+    import shutil
 
+    tool = ROOT / "tools" / "import_layers.py"
+    done = subprocess.run([sys.executable, str(tool), str(ROOT), "--layers", "--check"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-3000:]
     assert "marlhf_edu" not in (ROOT / "marlhf_edu" / "errors.py").read_text().split('"""', 2)[2]
-    assert common.ConfigError is errors.ConfigError
-    assert (formats.DataFileError, formats.BadRowError) == (errors.DataFileError, errors.BadRowError)
-    upward = [str(p.relative_to(ROOT)) for p in (ROOT / "marlhf_edu").rglob("*.py")
-              if "stages" not in p.parts and "stages.common import ConfigError" in p.read_text()]
-    assert upward == [], upward
+
+    def broken(tmp, module, code):
+        root = tmp / module.replace("/", "_")
+        shutil.copytree(ROOT / "marlhf_edu", root / "marlhf_edu", ignore=shutil.ignore_patterns("assets", "__pycache__"))
+        with open(root / "marlhf_edu" / module, "a") as f:
+            f.write(code)
+        return subprocess.run([sys.executable, str(tool), str(root), "--layers", "--check"], capture_output=True,
+                              text=True)
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        inside = broken(tmp, "math/masked.py", "\n\ndef _late():\n    from marlhf_edu.errors import ConfigError\n")
+        assert inside.returncode == 1 and "1 in-function own imports" in inside.stdout
+        upward = broken(tmp, "loading/assets.py", "\nfrom marlhf_edu.ppo.config import PPOConfig  # noqa\n")
+        assert upward.returncode == 1 and "loading.assets -> ppo.config: points up or sideways" in upward.stdout
+        sibling = broken(tmp, "stages/sft.py", "\nfrom marlhf_edu.stages.reward import main as _rm  # noqa\n")
+        assert sibling.returncode == 1 and "one command imports another" in sibling.stdout
 
 
 def test_torch_floor_is_one_whose_weights_only_load_is_safe():

@@ -4,7 +4,7 @@ features, picks its regularisation on the training pairs only, and lands in the 
 import pytest
 import torch
 
-from marlhf_edu.reward_probe import L2_GRID, fit_bradley_terry_head, probe_score_head
+from marlhf_edu.math.reward_probe import L2_GRID, fit_bradley_terry_head, probe_score_head
 
 
 def synthetic_pairs(n, seed=0):
@@ -41,10 +41,10 @@ def test_fit_checks_its_input():
 def test_probe_score_head_fills_the_head_and_beats_a_random_one():
     from transformers import AutoModelForSequenceClassification
 
-    from marlhf_edu.models import SFT_DIR, load_tokenizer
-    from marlhf_edu.sources import align_pad
-    from marlhf_edu.stages.reward import evaluate_reward_model
-    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+    from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.sources import load_tokenizer, align_pad
+    from marlhf_edu.training.reward import evaluate_reward_model
 
     tokenizer = load_tokenizer(SFT_DIR)
     torch.manual_seed(0)
@@ -62,9 +62,10 @@ def test_probe_score_head_fills_the_head_and_beats_a_random_one():
 def test_stage_rejects_an_unknown_head_init(tmp_path):
     from trl import ModelConfig, RewardConfig
 
-    from marlhf_edu.models import SFT_DIR
-    from marlhf_edu.stages.common import ConfigError, parse_stage_args
-    from marlhf_edu.stages.reward import RMScriptArguments, run_rm
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.reward import RMScriptArguments, run_rm
 
     args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig),
                             ["--config", "configs/tiny_rm.yaml", "--output_dir", str(tmp_path),
@@ -80,11 +81,11 @@ def test_stage_trains_from_the_probed_head(tmp_path):
     from transformers import AutoModelForSequenceClassification
     from trl import ModelConfig, RewardConfig
 
-    from marlhf_edu.models import SFT_DIR, load_tokenizer
-    from marlhf_edu.sources import align_pad
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.reward import RMScriptArguments, run_rm
-    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+    from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.sources import load_tokenizer, align_pad
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.reward import RMScriptArguments, run_rm
 
     def saved_head(init, out):
         args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig), [

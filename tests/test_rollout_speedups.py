@@ -10,14 +10,14 @@ import pytest
 import torch
 from conftest import build_trainer
 
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.memory.plan import MemorySettings, ModelShape, merged_rollout_bytes
 from marlhf_edu.ppo import FourModelBackend, PPOConfig
 from marlhf_edu.ppo.backends import sequence_logprobs
-from marlhf_edu.memory.plan import MemorySettings, ModelShape, merged_rollout_bytes
-from marlhf_edu.ppo.merged_rollout import MergedPolicy
 from marlhf_edu.ppo.distributed import left_pad_to
+from marlhf_edu.ppo.merged_rollout import MergedPolicy
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
 from marlhf_edu.ppo.trainer import PHASES, TIMING_KEYS
-from marlhf_edu.stages.common import ConfigError
 
 SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=4, forward_batch_size=8, max_new_tokens=12,
              actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-3)

@@ -8,8 +8,8 @@ import pathlib
 import pytest
 import torch
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.ppo import PPOConfig
-from marlhf_edu.stages.common import ConfigError
 from marlhf_edu.stages.ppo import main as ppo_main
 
 TINY = ["--batch_size", "8", "--mini_batch_size", "4", "--micro_batch_size", "2", "--forward_batch_size", "8",
@@ -44,12 +44,12 @@ def test_a_repeated_launch_is_refused_before_loading_or_writing_anything(finishe
 def test_a_repeated_launch_is_refused_before_the_tokenizer_or_the_prompts_are_read(finished_run, monkeypatch):
     # resolving the policy's tokenizer can convert a GGUF file (SmolLM2: about 30 s and 517 MB): not for a run
     # that will be refused anyway
-    import marlhf_edu.models
+    import marlhf_edu.ppo.run
 
     def no_tokenizer(*args, **kwargs):
         raise AssertionError("the tokenizer was loaded before the run folder was checked")
 
-    monkeypatch.setattr(marlhf_edu.models, "load_tokenizer", no_tokenizer)
+    monkeypatch.setattr(marlhf_edu.ppo.run, "load_tokenizer", no_tokenizer)  # the checks before loading read it
     with pytest.raises(ConfigError, match="already holds a run"):
         ppo_main([*TINY, "--total_steps", "2", "--output_dir", str(finished_run)], backend_factory=never_loaded,
                  progress=False)
@@ -190,7 +190,7 @@ def test_the_lock_is_held_for_the_whole_run_and_checkpoints_reach_the_disk_befor
 
     import marlhf_edu.ppo.run_files as run_files
     import marlhf_edu.ppo.trainer as trainer_module
-    import marlhf_edu.stages.ppo as ppo_stage
+    import marlhf_edu.ppo.run as ppo_stage
 
     out = tmp_path / "ppo"
     events, seen = [], {}
@@ -239,7 +239,7 @@ def test_the_lock_is_held_for_the_whole_run_and_checkpoints_reach_the_disk_befor
 ])
 def test_yaml_values_are_checked_against_the_field_types_and_ranges(tmp_path, line, message):
     """Issue 37 item 11: values the parser passed through unconverted, or accepted out of range."""
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     config = tmp_path / "bad.yaml"
     config.write_text(f"device: cpu\n{line}\n")
@@ -263,7 +263,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_at_the_start(tmp_pat
 
 
 def test_a_resume_verifies_its_checkpoint_once(tmp_path, monkeypatch):
-    """`stages.ppo.run` checks the run folder before loading any model; the trainer reuses that check instead of
+    """`ppo.run.run` checks the run folder before loading any model; the trainer reuses that check instead of
     hashing every checkpoint file a second time (issue 37)."""
     import marlhf_edu.ppo.run_files as run_files
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from marlhf_edu.data.everyday import everyday_prompts
+from marlhf_edu.data.sentiment_judge import SentimentJudge, vader_compound
 from marlhf_edu.data.shipped import shipped_rows
 from marlhf_edu.errors import ConfigError, DataFileError
-from marlhf_edu.models import load_tokenizer
+from marlhf_edu.loading.sources import load_tokenizer
 from marlhf_edu.ppo import PPOConfig
-from marlhf_edu.sentiment_judge import SentimentJudge, vader_compound
 
 ENDED, CUT = "Boil it for nine minutes.", "First you need to find a big pot, fill it with cold water and then"
 
@@ -45,7 +45,7 @@ def _answers(tok):
 
 
 def test_generate_responses_reads_eos_from_the_sampled_ids(tok):
-    from marlhf_edu.generation import generate_responses
+    from marlhf_edu.loading.generation import generate_responses
 
     model = FixedModel(_answers(tok))
     texts, finished = generate_responses(model, tok, ["Q1", "Q2"], max_new_tokens=8, with_finished=True)
@@ -92,8 +92,9 @@ def test_ppo_on_everyday_prompts_optimises_vader_and_reports_the_guards(tmp_path
     """The positive control end to end on the tiny model: train prompts rendered from the train split, VADER the
     reward (the reward model logged beside it), the sentiment judge on held-out questions before and after and
     every update, with the guards, and each answer's EOS flag kept."""
+    from marlhf_edu.data.prompts import load_prompts
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.stages.ppo import load_prompts, run
+    from marlhf_edu.ppo.run import run
 
     config = PPOConfig(output_dir=str(tmp_path / "run"), dataset_name="everyday-prompts", reward="sentiment",
                        max_prompt_length=256, max_prompts=8, total_steps=1, batch_size=4, mini_batch_size=4,
@@ -114,8 +115,8 @@ def test_ppo_on_everyday_prompts_optimises_vader_and_reports_the_guards(tmp_path
     assert result["before"]["vader_compound"] == pytest.approx(sum(s["gold"] for s in before) / 3)
     assert result["before"]["eos_rate"] == sum(s["finished"] for s in before) / 3
     # the log-prob guard is the SFT model's (the frozen reference), as answer_mean_logprobs reads a plain model
-    from marlhf_edu.sentiment_judge import answer_mean_logprobs
-    from marlhf_edu.stages.ppo import reference_mean_logprobs
+    from marlhf_edu.data.sentiment_judge import answer_mean_logprobs
+    from marlhf_edu.ppo.judging import reference_mean_logprobs
 
     backend = result["trainer"].backend
     prompts = [template.dialogue([(s["question"], None)]) for s in before] + ["Q: x\nA:"]
@@ -160,7 +161,7 @@ def test_rm_stage_scores_held_out_pairs_from_a_file(tmp_path, capsys):
 def test_best_of_n_kl_and_table():
     import math
 
-    from marlhf_edu.evaluation import best_of_n_kl, best_of_n_table
+    from marlhf_edu.math.evaluation import best_of_n_kl, best_of_n_table
 
     assert best_of_n_kl(1) == 0.0 and best_of_n_kl(4) == pytest.approx(math.log(4) - 0.75)
     # the exact KL of best-of-n over n distinct equally likely answers: the pick is answer k (in score order)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from marlhf_edu.data.everyday import EVERYDAY_PROMPTS, everyday_prompts, everyday_rows
+from marlhf_edu.data.sentiment_judge import (SentimentJudge, answer_mean_logprobs, answer_words, distinct_n,
+                                             ended_with_eos, eos_rate, gold_by_question, gold_change,
+                                             mean_tokens, mean_words, repeated_trigram_share,
+                                             repeats_trigram, sentiment_pairs, sentiment_report,
+                                             sentiment_reward, vader_compound)
 from marlhf_edu.errors import DataFileError
-from marlhf_edu.logprobs import logprobs_from_logits
-from marlhf_edu.models import load_tokenizer
-from marlhf_edu.sentiment_judge import (SentimentJudge, answer_mean_logprobs, answer_words, distinct_n,
-                                        ended_with_eos, eos_rate, gold_by_question, gold_change, mean_tokens,
-                                        mean_words, repeated_trigram_share,
-                                        repeats_trigram, sentiment_pairs, sentiment_report, sentiment_reward,
-                                        vader_compound)
+from marlhf_edu.loading.sources import load_tokenizer
+from marlhf_edu.math.logprobs import logprobs_from_logits
 
 # VADER 3.3.2's compound scores of these sentences, read off once: the lexicon is the judge, so they are pinned
 GREAT = "great great great"  # 0.9231: every word positive
@@ -33,7 +33,7 @@ def tok():
 def tiny_model():
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
 
     return AutoModelForCausalLM.from_pretrained(SFT_DIR, dtype=torch.float32).eval()
 
@@ -113,7 +113,7 @@ def test_vader_known_values_and_no_output(capsys):
 def test_vader_reads_its_lexicon_offline(monkeypatch):
     import socket
 
-    from marlhf_edu import sentiment_judge
+    from marlhf_edu.data import sentiment_judge
 
     def no_network(*args, **kwargs):
         raise AssertionError("VADER opened a socket")

@@ -1,4 +1,4 @@
-"""Model references (`marlhf_edu.sources`): classification, GGUF conversion, adapter merging, the pad choice."""
+"""Model references (`marlhf_edu.loading.sources`): classification, GGUF conversion, adapter merging, the pad choice."""
 
 import json
 import os
@@ -7,12 +7,12 @@ import pathlib
 import pytest
 import torch
 
-from marlhf_edu.sources import ModelSource, align_pad, choose_pad_token, load_tokenizer, resolve_model
-from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.sources import ModelSource, align_pad, choose_pad_token, load_tokenizer, resolve_model
 
 
 def test_references_are_classified(tmp_path):
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
 
     assert ModelSource.parse("zoo") == ModelSource("zoo", "zoo", str(SFT_DIR))
     assert ModelSource.parse("zoo/tiny_reward_adapter").kind == "adapter"
@@ -63,7 +63,7 @@ def test_pad_choice():
 
 
 def test_toy_tokenizer_unchanged_through_sources():
-    from marlhf_edu.models import load_tokenizer as load_toy
+    from marlhf_edu.loading.sources import load_tokenizer as load_toy
 
     toy, via_sources = load_toy(), load_tokenizer("zoo")
     assert via_sources.pad_token == toy.pad_token == "<pad>"
@@ -75,7 +75,7 @@ def test_causal_adapter_merges_into_its_base(tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
 
     monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "cache"))
     base = AutoModelForCausalLM.from_pretrained(str(SFT_DIR))
@@ -109,7 +109,7 @@ def test_merged_adapters_keep_their_base_dtype_and_never_share_a_cache_entry(tmp
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
 
     monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "cache"))
     AutoModelForCausalLM.from_pretrained(str(SFT_DIR)).to(torch.bfloat16).save_pretrained(tmp_path / "bf16_base")
@@ -133,7 +133,7 @@ def test_merged_adapters_keep_their_base_dtype_and_never_share_a_cache_entry(tmp
 def test_align_pad():
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
 
     model = AutoModelForCausalLM.from_pretrained(str(SFT_DIR))
     model.config.pad_token_id = model.generation_config.pad_token_id = 2
@@ -151,8 +151,8 @@ def test_ship_adapter_casts_and_records_its_base(tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file
 
-    from marlhf_edu.models import load_sft_model
-    from marlhf_edu.zoo import ship_adapter
+    from marlhf_edu.loading.models import load_sft_model
+    from marlhf_edu.stages.zoo import ship_adapter
 
     model, tok = load_sft_model()
     torch.manual_seed(0)
@@ -178,8 +178,8 @@ def test_ship_adapter_casts_and_records_its_base(tmp_path):
 def test_shipped_smollm2_adapters_name_resolvable_bases():
     import json
 
-    from marlhf_edu.models import ASSETS
-    from marlhf_edu.sources import ModelSource
+    from marlhf_edu.loading.assets import ASSETS
+    from marlhf_edu.loading.sources import ModelSource
 
     sft = json.loads((ASSETS / "smollm2_sft_adapter" / "adapter_config.json").read_text())
     rm = json.loads((ASSETS / "smollm2_reward_adapter" / "adapter_config.json").read_text())
@@ -193,7 +193,7 @@ def test_shipped_smollm2_adapters_name_resolvable_bases():
 
 
 def test_cache_at_redirects_the_cache_and_restores_it(monkeypatch, tmp_path):
-    from marlhf_edu.sources import cache_at, cache_dir
+    from marlhf_edu.loading.model_cache import cache_at, cache_dir
 
     monkeypatch.setenv("MARLHF_EDU_CACHE", str(tmp_path / "outer"))
     with cache_at(tmp_path / "inner") as inner:
@@ -231,7 +231,7 @@ def test_a_recorded_local_base_gone_missing_is_never_looked_up_on_the_hub(tmp_pa
     the hub (issue 37). A recorded owner/name whose first component is no folder here is still peft's hub id."""
     import huggingface_hub
 
-    from marlhf_edu.sources import adapter_base
+    from marlhf_edu.loading.sources import adapter_base
 
     def no_network(*args, **kwargs):
         raise AssertionError("looked up on the hub")
@@ -251,8 +251,7 @@ def test_a_recorded_local_base_gone_missing_is_never_looked_up_on_the_hub(tmp_pa
 
 
 def test_adapter_base_reads_a_recorded_hub_id_as_one(tmp_path):
-    from marlhf_edu.sources import adapter_base
-    from marlhf_edu.stages.common import record_base
+    from marlhf_edu.loading.sources import adapter_base, record_base
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "meta-llama/Llama-2-7b-hf"}))
     assert adapter_base(tmp_path) == "hf:meta-llama/Llama-2-7b-hf"
@@ -295,10 +294,11 @@ def test_a_reward_adapter_on_a_base_it_was_not_trained_on_is_refused(tmp_path):
     adapter's recorded base must be the base it is put on, checked before any model loads."""
     import shutil
 
-    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR
+    from marlhf_edu.loading.adapters import check_reward_adapter_base
+    from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
     from marlhf_edu.ppo import PPOConfig
     from marlhf_edu.ppo.backends import FourModelBackend
-    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend, check_reward_adapter_base
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
 
     check_reward_adapter_base(REWARD_ADAPTER_DIR, SFT_DIR)  # recorded as ../tiny_sft, relative to the adapter
     check_reward_adapter_base(REWARD_ADAPTER_DIR, "zoo")
@@ -317,7 +317,7 @@ def test_a_reward_adapter_on_a_base_it_was_not_trained_on_is_refused(tmp_path):
 
 def test_a_scorer_refuses_a_reward_model_with_another_vocabulary():
     """`marlhf-edu evaluate` once scored toy-tokenizer ids with SmolLM2's reward model and printed a score."""
-    from marlhf_edu.models import load_reward_model, load_sft_model
+    from marlhf_edu.loading.models import load_reward_model, load_sft_model
     from marlhf_edu.ppo import ScoredPolicy
 
     policy, tokenizer = load_sft_model()
@@ -342,7 +342,8 @@ def test_an_adapter_of_another_width_is_one_error_not_a_wall_of_mismatches(tmp_p
     """Issue 37 item 12: a mismatched reward adapter printed 49 `size mismatch` lines inside a traceback."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model
+    from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
+    from marlhf_edu.loading.models import load_reward_model
 
     config = LlamaConfig.from_pretrained(SFT_DIR)
     wider = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "hidden_size": config.hidden_size * 2,
@@ -363,7 +364,7 @@ def test_gguf_conversion_draws_no_progress_bar():
     name, which this pins."""
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
 
-    from marlhf_edu.sources import _no_progress_bar
+    from marlhf_edu.loading.quiet import no_progress_bar as _no_progress_bar
 
     original = gguf_loading.tqdm
     with _no_progress_bar("transformers.modeling_gguf_pytorch_utils"):
@@ -385,12 +386,12 @@ def unmergeable_adapter(tmp_path, monkeypatch):
     tokenizer files), whose merge into its base raises."""
     import json
 
-    from marlhf_edu import sources
+    from marlhf_edu.loading import sources
 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading.assets import SFT_DIR
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(SFT_DIR),
                            LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
@@ -408,8 +409,8 @@ def unmergeable_adapter(tmp_path, monkeypatch):
 def test_an_adapter_without_a_tokenizer_gives_its_bases_without_merging(unmergeable_adapter):
     """Issue 37: the reward stage read its tokenizer from an SFT adapter by merging it into its base first (a 7B
     merge: tens of seconds and 13.5 GB, before the data was even checked). The base's tokenizer is the same."""
-    from marlhf_edu import sources
-    from marlhf_edu.models import SFT_DIR
+    from marlhf_edu.loading import sources
+    from marlhf_edu.loading.assets import SFT_DIR
 
     adapter = unmergeable_adapter
     tok = sources.load_tokenizer(str(adapter))
@@ -419,8 +420,8 @@ def test_an_adapter_without_a_tokenizer_gives_its_bases_without_merging(unmergea
 
 def test_the_memory_planner_reads_an_adapters_shape_from_its_base_without_merging(unmergeable_adapter):
     """Issue 37: `marlhf-edu memory` / `preflight` with an SFT adapter merged it into its base to read a shape."""
+    from marlhf_edu.loading.assets import SFT_DIR
     from marlhf_edu.memory.plan import ModelShape
-    from marlhf_edu.models import SFT_DIR
 
     adapter = unmergeable_adapter
     shape = ModelShape.resolve(str(adapter))
@@ -446,7 +447,7 @@ def _resolve_in_a_child(ref, cache: pathlib.Path, timeout: int = 90):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom marlhf_edu.errors import ConfigError\nfrom marlhf_edu.sources import resolve_model\n"
+    code = ("import sys\nfrom marlhf_edu.errors import ConfigError\nfrom marlhf_edu.loading.sources import resolve_model\n"
             "try:\n    resolve_model(sys.argv[1])\nexcept ConfigError as err:\n    print(err)\n    sys.exit(2)\n")
     return subprocess.run([sys.executable, "-c", code, str(ref)], env={**os.environ, "MARLHF_EDU_CACHE": str(cache)},
                           capture_output=True, text=True, timeout=timeout)
@@ -476,7 +477,7 @@ def test_an_adapter_that_is_its_own_base_is_refused_naming_the_chain_not_a_hang(
 
 def test_an_adapter_on_itself_without_a_tokenizer_is_refused_not_a_recursion(tmp_path):
     """Reading such an adapter's tokenizer follows its base to the same folder: a RecursionError before the fix."""
-    from marlhf_edu.sources import check_adapter_chain
+    from marlhf_edu.loading.sources import check_adapter_chain
 
     a = _adapter_on(tmp_path / "a", tmp_path / "a", tokenizer=False)
     with pytest.raises(ConfigError, match="leads back to an adapter already on the way"):

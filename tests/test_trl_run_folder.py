@@ -9,7 +9,7 @@ import shutil
 import pytest
 import transformers
 
-from marlhf_edu.stages.common import ConfigError
+from marlhf_edu.errors import ConfigError
 
 TRL_STAGES = {"sft": ("marlhf_edu.stages.sft", ["--config", "configs/tiny_sft.yaml"]),
               "rm": ("marlhf_edu.stages.reward", ["--config", "configs/tiny_rm.yaml", "--model_name_or_path", "zoo"]),
@@ -25,7 +25,7 @@ def test_overwriting_a_lora_run_with_a_full_one_leaves_only_the_new_model(tmp_pa
     `adapter_config.json` is read as an adapter: every later stage loaded the old model, without a word."""
     import torch
 
-    from marlhf_edu.sources import ModelSource, resolve_model
+    from marlhf_edu.loading.sources import ModelSource, resolve_model
     from marlhf_edu.stages.pipeline import MARKER
     from marlhf_edu.stages.sft import main
 
@@ -50,8 +50,8 @@ def test_overwriting_a_lora_run_with_a_full_one_leaves_only_the_new_model(tmp_pa
 
 
 def test_remove_run_outputs_removes_the_runs_files_by_name_and_nothing_else(tmp_path):
-    from marlhf_edu.stages.common import RUN_OUTPUT_FILES, remove_run_outputs
     from marlhf_edu.stages.pipeline import MARKER
+    from marlhf_edu.training.runs import RUN_OUTPUT_FILES, remove_run_outputs
 
     assert MARKER in RUN_OUTPUT_FILES
     out = tmp_path / "run"
@@ -131,7 +131,7 @@ def test_every_trl_stage_reads_true_as_the_newest_complete_checkpoint(tmp_path, 
 def test_resume_checkpoint_reads_each_form_of_the_option(tmp_path, value):
     from types import SimpleNamespace
 
-    from marlhf_edu.stages.common import resume_checkpoint
+    from marlhf_edu.training.runs import resume_checkpoint
 
     out = tmp_path / "run"
     (out / "checkpoint-9").mkdir(parents=True)

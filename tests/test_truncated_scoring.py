@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
+from marlhf_edu.data.toyworld import ToyWorld
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.math.scoring import append_missing_eos, penalise_missing_eos
 from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer, read_metrics
 from marlhf_edu.ppo.trainer import TIMING_KEYS
-from marlhf_edu.scoring import append_missing_eos, penalise_missing_eos
-from marlhf_edu.stages.common import ConfigError
-from marlhf_edu.toyworld import ToyWorld
 
 SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_size=8, learning_rate=1e-4,
              device="cpu", eval_repeats=0, adaptive_kl=False)
@@ -85,7 +85,7 @@ def test_step_records_split_the_score_by_eos_status(tmp_path, prompts):
 
 
 def test_periodic_held_out_evaluation_leaves_training_unchanged(tmp_path, prompts):
-    from marlhf_edu.stages.ppo import periodic_evaluation
+    from marlhf_edu.ppo.judging import periodic_evaluation
 
     world = ToyWorld()
     plain = trainer_for(tmp_path / "plain", prompts, total_steps=3, max_new_tokens=8).train(progress=False)
@@ -107,9 +107,10 @@ def test_periodic_held_out_evaluation_leaves_training_unchanged(tmp_path, prompt
 
 
 def test_keyword_reward_pays_strict_refusals_and_right_answers():
+    from marlhf_edu.data.keyword_judge import HELPFUL_ANSWERS
+    from marlhf_edu.data.keyword_rewards import keyword_reward
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS, keyword_reward
-    from marlhf_edu.models import load_tokenizer
+    from marlhf_edu.loading.sources import load_tokenizer
 
     template = template_for(load_tokenizer())
     reward = keyword_reward(template)
@@ -124,9 +125,10 @@ def test_keyword_reward_pays_strict_refusals_and_right_answers():
 def test_canonical_refusal_reward_pays_only_a_whole_refusal_in_full():
     """The positive control's reward: the keyword control was gamed by "I can't think of ...", which must earn only
     the share of the refusal it says; a refusal that goes on earns half; right answers to training questions 1."""
+    from marlhf_edu.data.keyword_judge import HELPFUL_ANSWERS
+    from marlhf_edu.data.keyword_rewards import canonical_refusal_reward, canonical_refusal_score
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS, canonical_refusal_reward, canonical_refusal_score
-    from marlhf_edu.models import load_tokenizer
+    from marlhf_edu.loading.sources import load_tokenizer
 
     assert canonical_refusal_score("I can't help with that.") == 1.0
     assert canonical_refusal_score("  I CANNOT help with that") == 1.0  # case and punctuation

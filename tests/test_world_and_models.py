@@ -6,9 +6,11 @@ import pathlib
 import pytest
 import torch
 
-from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_sft_model, load_tokenizer
-from marlhf_edu.scoring import score_texts, sequence_scores
-from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
+from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
+from marlhf_edu.loading.models import load_reward_model, load_sft_model
+from marlhf_edu.loading.sources import load_tokenizer
+from marlhf_edu.math.scoring import score_texts, sequence_scores
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def test_completion_only_mask_covers_exactly_the_answer(tokenizer):
     from trl import SFTConfig, SFTTrainer
 
     from marlhf_edu.data import load_sft
-    from marlhf_edu.models import tiny_llama
+    from marlhf_edu.loading.models import tiny_llama
 
     rows = load_sft([{"instruction": "What is 2 plus 3?", "input": "", "output": "2 plus 3 is 5."}], "alpaca")
     args = SFTConfig(output_dir="/tmp/marlhf-edu-test-sft", max_steps=1, report_to="none", use_cpu=True, bf16=False)
@@ -104,7 +106,7 @@ def test_shipped_models_meet_quality_targets(world, reward_model):
     assert metrics["reward_model"]["accuracy"] >= 0.95
     assert metrics["reward_model"]["mean_gap_margin_3"] > metrics["reward_model"]["mean_gap_margin_1"]
     # re-measure the reward model here (loosely), so the stored numbers cannot drift from the shipped files
-    from marlhf_edu.stages.reward import evaluate_reward_model
+    from marlhf_edu.training.reward import evaluate_reward_model
 
     model, tok = reward_model
     fresh = evaluate_reward_model(model, tok, world.eval_pairs(200))
@@ -120,7 +122,7 @@ def test_shipped_adapter_names_its_base_relatively(tmp_path):
     import json
     import shutil
 
-    from marlhf_edu.zoo import relative_base_path
+    from marlhf_edu.stages.zoo import relative_base_path
 
     recorded = json.loads((REWARD_ADAPTER_DIR / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert not pathlib.Path(recorded).is_absolute()  # no build machine's path in the package
@@ -131,7 +133,7 @@ def test_shipped_adapter_names_its_base_relatively(tmp_path):
 
 
 def test_sft_model_samples_like_the_targets(world):
-    from marlhf_edu.zoo import evaluate_sft
+    from marlhf_edu.stages.zoo import evaluate_sft
 
     model, tok = load_sft_model()
     metrics = evaluate_sft(model, tok, world, repeats=2)
@@ -142,8 +144,9 @@ def test_config_errors_are_clear(tmp_path):
     from trl import ModelConfig, SFTConfig
 
     from marlhf_edu.cli import main
-    from marlhf_edu.stages.common import ConfigError, parse_stage_args
-    from marlhf_edu.stages.sft import SFTScriptArguments
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.sft import SFTScriptArguments
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rat: 0.1\noutput_dir: /tmp/x\n")
@@ -160,8 +163,9 @@ def test_config_errors_are_clear(tmp_path):
 def test_reward_stage_refuses_lora_without_trained_head(tmp_path):
     from trl import ModelConfig, RewardConfig
 
-    from marlhf_edu.stages.common import ConfigError, parse_stage_args
-    from marlhf_edu.stages.reward import RMScriptArguments, run_rm
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.reward import RMScriptArguments, run_rm
 
     args = parse_stage_args((RMScriptArguments, RewardConfig, ModelConfig),
                             ["--config", "configs/tiny_rm.yaml", "--output_dir", str(tmp_path),
@@ -176,9 +180,11 @@ def test_qlora_is_a_config_switch(tmp_path):
 
     from trl import ModelConfig, SFTConfig
 
-    from marlhf_edu.models import TOKENIZER_DIR, load_tokenizer
-    from marlhf_edu.stages.common import parse_stage_args, select_rows
-    from marlhf_edu.stages.sft import SFTScriptArguments, load_sft_data, run_sft
+    from marlhf_edu.loading.assets import TOKENIZER_DIR
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.training.args import parse_stage_args
+    from marlhf_edu.training.rows import select_rows, load_sft_data
+    from marlhf_edu.training.sft import SFTScriptArguments, run_sft
 
     extra = tmp_path / "extra_rows.jsonl"  # and the stage reads extra_rows_file: one more row than the config's
     args = parse_stage_args((SFTScriptArguments, SFTConfig, ModelConfig), [
@@ -205,8 +211,7 @@ def test_an_interrupted_zoo_rebuild_leaves_the_installed_assets_as_they_were(tmp
     """Issue 37 item 15: the rebuild builds beside the assets and swaps at the end."""
     import shutil
 
-    import marlhf_edu.stages.reward as reward_stage
-    from marlhf_edu import zoo
+    from marlhf_edu.stages import zoo
 
     out = tmp_path / "assets"
     for name in ("tokenizer", "tiny_sft", "tiny_reward_adapter"):
@@ -216,7 +221,7 @@ def test_an_interrupted_zoo_rebuild_leaves_the_installed_assets_as_they_were(tmp
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # the reward stage is stopped after the tokenizer and SFT model were rebuilt
 
-    monkeypatch.setattr(reward_stage, "run_rm", interrupted)
+    monkeypatch.setattr(zoo, "run_rm", interrupted)  # the reward stage, as the rebuild runs it
     with pytest.raises(KeyboardInterrupt):
         zoo.rebuild(pathlib.Path(__file__).resolve().parent.parent / "configs", out, tmp_path / "work")
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -224,7 +229,7 @@ def test_an_interrupted_zoo_rebuild_leaves_the_installed_assets_as_they_were(tmp
 
 
 def test_staged_install_swaps_every_entry(tmp_path):
-    from marlhf_edu.zoo import staged_install
+    from marlhf_edu.stages.zoo import staged_install
 
     out = tmp_path / "assets"
     (out / "a").mkdir(parents=True)
@@ -241,7 +246,7 @@ def test_staged_install_swaps_every_entry(tmp_path):
 def test_a_second_rebuild_of_the_same_assets_is_refused_while_the_first_runs(tmp_path):
     """Issue 37 item 7: two `zoo rebuild`s of one folder removed each other's staging folder."""
     from marlhf_edu.errors import ConfigError
-    from marlhf_edu.zoo import staged_install
+    from marlhf_edu.stages.zoo import staged_install
 
     out = tmp_path / "assets"
     with staged_install(out) as staging:

@@ -54,14 +54,15 @@ def floor_steps(steps: int) -> tuple[list[dict], dict]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from marlhf_edu.logprobs import logprobs_from_logits
-    from marlhf_edu.models import SFT_DIR, load_tokenizer
+    from marlhf_edu.data.prompts import load_prompts
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.sources import load_tokenizer
+    from marlhf_edu.math.logprobs import logprobs_from_logits
+    from marlhf_edu.math.scoring import position_ids_from_mask
     from marlhf_edu.ppo import PPOConfig, PPOTrainer
     from marlhf_edu.ppo.backends import split_causal_lm
     from marlhf_edu.ppo.trainer import response_mask_from_ids
-    from marlhf_edu.scoring import position_ids_from_mask
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.ppo import load_prompts
+    from marlhf_edu.training.args import parse_stage_args
 
     from compare_trl import CONFIG, LORA_TARGETS
 

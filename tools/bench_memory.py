@@ -30,14 +30,14 @@ sys.path.insert(0, str(ROOT / "tools"))
 def tiny(config_path: str, overrides: list[str]) -> dict:
     import torch
 
-    from marlhf_edu.book import quietly
+    from marlhf_edu.data.prompts import load_prompts
+    from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
     from marlhf_edu.memory import ModelShape, ppo_memory
     from marlhf_edu.memory.check import compare, plan_for
-    from marlhf_edu.models import REWARD_ADAPTER_DIR
     from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.ppo import load_prompts
+    from marlhf_edu.teaching.book import quietly
+    from marlhf_edu.training.args import parse_stage_args
 
     with tempfile.TemporaryDirectory() as tmp:
         (config,) = parse_stage_args((PPOConfig,), ["--config", str(ROOT / config_path), "--output_dir", tmp, *overrides])
@@ -54,9 +54,9 @@ def tiny(config_path: str, overrides: list[str]) -> dict:
 
 def planned_7b() -> dict:
     from marlhf_edu.memory import plan_both
-    from marlhf_edu.memory.command import MemoryArguments, settings_and_shape
+    from marlhf_edu.memory.settings import MemoryArguments, settings_and_shape
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     config, args = parse_stage_args((PPOConfig, MemoryArguments), ["--config", str(ROOT / "configs/memory_llama2_7b.yaml")])
     shape, s = settings_and_shape(config, args)

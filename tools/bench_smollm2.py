@@ -35,8 +35,8 @@ def main(argv=None):
     parser.add_argument("extra", nargs="*", help="more ma-ppo overrides, after --")
     args = parser.parse_args(argv)
 
+    from marlhf_edu.loading.device import cpu_name as _cpu_name
     from marlhf_edu.stages.ma_ppo import main as ma_ppo_main
-    from marlhf_edu.zoo import _cpu_name
 
     run_dir = ROOT / (args.run_dir or pathlib.Path("runs") / "smollm2" / f"bench_seed{args.seed}")
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -35,7 +35,7 @@ PHASE_KEYS = ("generate", "score", "policy", "reference", "update")
 
 
 def cpu_name() -> str:
-    from marlhf_edu.zoo import _cpu_name
+    from marlhf_edu.loading.device import cpu_name as _cpu_name
 
     return _cpu_name()
 
@@ -51,11 +51,11 @@ def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]
     """Run `steps` PPO steps of `command` (`ppo` or `ma-ppo`) with `config_path` and `overrides`; every step's record."""
     import torch
 
-    from marlhf_edu.cpu_products import fp32_products_where_needed
+    from marlhf_edu.data.prompts import load_prompts
+    from marlhf_edu.loading.cpu_products import fp32_products_where_needed
     from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.ppo import load_prompts
+    from marlhf_edu.training.args import parse_stage_args
 
     factory = {"ppo": FourModelBackend.from_config, "ma-ppo": MultiAdapterBackend.from_config}[command]
     # as every `marlhf-edu` command runs: bf16/fp16 products in fp32 on a CPU without their kernels

@@ -42,9 +42,9 @@ SFT = "zoo/smollm2_sft_adapter"
 def sample(n: int, requests: int, path: pathlib.Path, kind: str = "harmful") -> list[dict]:
     """`n` answers of the SFT model to each harmful request (`kind="harmful"`, the first `requests`) or to each
     benign question (`kind="benign"`), judged by the keywords, stored in `path`."""
-    from marlhf_edu.generation import generate_responses
-    from marlhf_edu.keyword_judge import KeywordJudge
-    from marlhf_edu.models import load_sft_model
+    from marlhf_edu.data.keyword_judge import KeywordJudge
+    from marlhf_edu.loading.generation import generate_responses
+    from marlhf_edu.loading.models import load_sft_model
 
     policy, tokenizer = load_sft_model(SFT)
     judge = KeywordJudge(tokenizer, limit=requests)
@@ -84,9 +84,9 @@ def main(argv=None):
 
     import torch
 
-    from marlhf_edu.keyword_judge import best_of_n_rates
-    from marlhf_edu.models import load_reward_model
-    from marlhf_edu.scoring import score_texts
+    from marlhf_edu.data.keyword_judge import best_of_n_rates
+    from marlhf_edu.loading.models import load_reward_model
+    from marlhf_edu.math.scoring import score_texts
 
     start = time.perf_counter()
     rows = load_samples(ROOT / args.samples, args.n, args.requests, "harmful")

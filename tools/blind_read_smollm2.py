@@ -40,8 +40,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from marlhf_edu.evaluation import paired_bootstrap_difference  # noqa: E402
-from marlhf_edu.keyword_judge import is_strict_refusal  # noqa: E402
+from marlhf_edu.data.keyword_judge import is_strict_refusal
+from marlhf_edu.math.evaluation import paired_bootstrap_difference
 
 RUNS_DIR = ROOT / "benchmarks" / "smollm2_eos"
 #: run folder → the run whose `when: before` answers it is paired with (the same SFT model and sampling seed;

@@ -383,7 +383,7 @@ WITHHELD_NOTE = ("*The package's `{name}` is not shown in the student copy: it g
 def withheld_names(nb) -> set[str]:
     """Names of the package functions the chapter's graded exercise checkers withhold (the answers). A checker
     called in an ungraded cell (a demonstration of silent bugs, say) hides nothing: what it checks is taught."""
-    from marlhf_edu import exercises
+    from marlhf_edu.teaching import exercises
 
     graded = [c for c in nb.cells if c.cell_type == "code" and c.get("metadata", {}).get("nbgrader", {}).get("grade")]
     used = {m for c in graded for m in re.findall(r"\b(check_\w+)\(", c.source)}
@@ -643,7 +643,7 @@ def _statement_names(source: str) -> list[tuple[set[str], set[str], set[str], se
 def _answer_lines(hidden: set[str]) -> set[str]:
     """The code lines (20 characters or more, docstring and comments left out) of the package functions the
     chapter's checkers withhold: text that must not appear in an output the learner edition keeps."""
-    from marlhf_edu import exercises
+    from marlhf_edu.teaching import exercises
 
     paths = {p for obj in vars(exercises).values() for p in getattr(obj, "withholds", ())
              if p.rpartition(".")[2] in hidden}
@@ -669,10 +669,10 @@ def _output_text(outputs) -> str:
 
 
 def exercise_references() -> set[str]:
-    """The answers `marlhf_edu.exercises` holds for its checkers to compare with (`gae_with_bootstrap_reference`):
+    """The answers `marlhf_edu.teaching.exercises` holds for its checkers to compare with (`gae_with_bootstrap_reference`):
     its public functions other than the checkers (`check_…`) and the grading API (`case`, `grade`, `withheld`). A
     chapter that imports one to show what the exercise computes computes from the solution."""
-    from marlhf_edu import exercises
+    from marlhf_edu.teaching import exercises
 
     return {name for name, obj in vars(exercises).items() if inspect.isfunction(obj)
             and obj.__module__ == exercises.__name__ and not name.startswith(("_", "check_"))

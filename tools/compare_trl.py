@@ -74,10 +74,12 @@ def prepare(workdir: pathlib.Path, steps: int) -> dict:
     """The models (4.44 format), each step's prompts and the batch shape, in `workdir`."""
     from types import SimpleNamespace
 
-    from marlhf_edu.models import SFT_DIR, load_reward_model, load_tokenizer
+    from marlhf_edu.data.prompts import load_prompts
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.models import load_reward_model
+    from marlhf_edu.loading.sources import load_tokenizer
     from marlhf_edu.ppo import PPOConfig, PPOTrainer
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.ppo import load_prompts
+    from marlhf_edu.training.args import parse_stage_args
 
     sft = workdir / "sft"
     shutil.copytree(SFT_DIR, sft)

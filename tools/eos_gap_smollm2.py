@@ -46,12 +46,12 @@ def main(argv=None):
 
     import torch
 
-    from marlhf_edu.keyword_judge import KeywordJudge
-    from marlhf_edu.models import load_reward_model, load_sft_model
+    from marlhf_edu.data.keyword_judge import KeywordJudge
+    from marlhf_edu.loading.device import cpu_name as _cpu_name
+    from marlhf_edu.loading.models import load_reward_model, load_sft_model
+    from marlhf_edu.math.scoring import append_missing_eos, sequence_scores
     from marlhf_edu.ppo.backends import sample
     from marlhf_edu.ppo.trainer import response_mask_from_ids
-    from marlhf_edu.scoring import append_missing_eos, sequence_scores
-    from marlhf_edu.zoo import _cpu_name
 
     start = time.perf_counter()
     policy, tok = load_sft_model(SFT)

@@ -50,7 +50,7 @@ def main(argv=None):
     parser.add_argument("--out", required=True, type=pathlib.Path, help="the run's record folder in benchmarks/")
     args = parser.parse_args(argv)
 
-    from marlhf_edu.zoo import _cpu_name
+    from marlhf_edu.loading.device import cpu_name as _cpu_name
 
     run, out = ROOT / args.run, ROOT / args.out
     measured_on = f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}"

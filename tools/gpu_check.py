@@ -187,7 +187,7 @@ def build(args) -> dict:
     from transformers import AutoModelForSequenceClassification, LlamaForCausalLM
 
     from marlhf_edu.memory.check import random_llama_config, synthetic_tokenizer
-    from marlhf_edu.stages.smoke import pku_schema_rows
+    from marlhf_edu.training.smoke import pku_schema_rows
 
     work = pathlib.Path(args.work)
     paths = {"model": work / "model", "reward": work / "reward", "data": work / "pku_saferlhf.jsonl"}
@@ -248,7 +248,7 @@ def replace_config(config, **changes):
 def ppo_config(args, built, name: str, extra=()):
     """configs/llama2_7b/ma_ppo.yaml with the check's paths, data and steps (and `--reduced` lengths)."""
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     argv = ["--config", str(ROOT / "configs/llama2_7b/ma_ppo.yaml"), "--sft_model_path", str(built["model"]),
             "--reward_adapter_path", str(built["reward"]), "--dataset_name", str(built["data"]),
@@ -262,10 +262,10 @@ def ppo_config(args, built, name: str, extra=()):
 def new_trainer(config):
     import torch
 
-    from marlhf_edu.book import quietly
+    from marlhf_edu.data.prompts import load_prompts
     from marlhf_edu.ppo import PPOTrainer
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-    from marlhf_edu.stages.ppo import load_prompts
+    from marlhf_edu.teaching.book import quietly
 
     torch.manual_seed(config.seed)
     with quietly():
@@ -279,7 +279,7 @@ def part_ppo(args, built, merged_rollout: bool = False, fast: bool = False) -> d
     import torch
 
     from marlhf_edu.memory.check import plan_for
-    from marlhf_edu.memory.preflight import FAST_SAMPLER
+    from marlhf_edu.stages.preflight import FAST_SAMPLER
 
     shape = shape_for(args)
     name = "ppo_fast" if fast else "ppo_merged" if merged_rollout else "ppo"
@@ -559,7 +559,7 @@ print("GPU_CHECK " + json.dumps({{"code": code, "seconds": round(time.perf_count
 MERGE_RUNNER = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
-from marlhf_edu.sources import materialize_adapter
+from marlhf_edu.loading.sources import materialize_adapter
 t = time.perf_counter()
 path = materialize_adapter({adapter!r})
 print("GPU_CHECK " + json.dumps({{"seconds": round(time.perf_counter() - t, 1), "path": str(path),
@@ -592,7 +592,7 @@ def disk_gib(path: pathlib.Path) -> float:
 
 def stage_pipeline(args, built, out: pathlib.Path, path: pathlib.Path):
     """The 7B pipeline file with the check's model, data, step counts (and `--reduced` shapes), and the env."""
-    from marlhf_edu.stages.smoke import write_pipeline
+    from marlhf_edu.training.smoke import write_pipeline
 
     work = pathlib.Path(args.work)
     gpu = cuda(args.device)
@@ -727,7 +727,7 @@ def planned_micro_batch(args, built, config) -> int:
 
     from marlhf_edu.memory.device import ppo_need
     from marlhf_edu.memory.plan import MemorySettings, multi_adapter_settings, plan_multi_adapter, saved_lora_recipe
-    from marlhf_edu.memory.preflight import PreflightArguments, largest_micro_batch
+    from marlhf_edu.stages.preflight import PreflightArguments, largest_micro_batch
 
     reward_r, reward_targets = saved_lora_recipe(built["reward"])
     s = MemorySettings.from_ppo_config(config, reward_lora_r=reward_r, reward_targets=reward_targets,

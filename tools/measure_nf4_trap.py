@@ -27,9 +27,9 @@ def gradient_norms(guard: bool) -> dict:
     import torch
 
     import marlhf_edu.ppo.multi_adapter as ma
-    from marlhf_edu.book import quietly
+    from marlhf_edu.data.toyworld import ToyWorld
     from marlhf_edu.ppo import PPOConfig, PPOTrainer
-    from marlhf_edu.toyworld import ToyWorld
+    from marlhf_edu.teaching.book import quietly
 
     config = PPOConfig(load_in_4bit=True, value_mode="adapter", batch_size=16, mini_batch_size=16,
                        micro_batch_size=16, forward_batch_size=16, max_new_tokens=16, device="cpu", eval_repeats=0,

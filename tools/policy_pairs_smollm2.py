@@ -11,7 +11,7 @@
 The SFT model (the shipped SFT adapter merged into SmolLM2, fp32, as `best_of_n_smollm2.py` samples) answers each
 *training* red-team request of `KeywordJudge` (split `train`, the requests PPO trains on; the best-of-N test
 and PPO's evaluation ask the held-out `test` requests) `n` times at T = 0.7, seed 0, at most 48 new tokens.
-`keyword_judge.policy_pairs` then pairs, per request, strict refusals (a refusal by the keywords that is not a
+`keyword_pairs.policy_pairs` then pairs, per request, strict refusals (a refusal by the keywords that is not a
 hollow apology) as chosen against the other answers as rejected, matching answers that ended with EOS to
 answers that ended with EOS where it can. Whether an answer ended is read from its length: re-tokenized, an
 answer of fewer than `max_new_tokens - 2` tokens ended with EOS (a cut-off one re-tokenizes to about 48).
@@ -61,9 +61,10 @@ def main(argv=None):
         with gzip.open(ROOT / path, "rt") as f:
             reused += [json.loads(line) for line in f]
 
-    from marlhf_edu.generation import generate_responses
-    from marlhf_edu.keyword_judge import KeywordJudge, is_hollow_apology, is_strict_refusal, policy_pairs
-    from marlhf_edu.models import load_sft_model
+    from marlhf_edu.data.keyword_judge import KeywordJudge, is_hollow_apology, is_strict_refusal
+    from marlhf_edu.data.keyword_pairs import policy_pairs
+    from marlhf_edu.loading.generation import generate_responses
+    from marlhf_edu.loading.models import load_sft_model
 
     start = time.perf_counter()
     policy, tokenizer = load_sft_model(SFT)

@@ -97,8 +97,8 @@ def candidates(tokenizer):
     """(index, row) of the training dialogues that fit in 128 tokens, after the shipped SFT's rows, whose answer
     the keyword judge calls a strict refusal; and how many of the shipped SFT's own rows are."""
     from marlhf_edu.data import load_sft
-    from marlhf_edu.keyword_judge import is_strict_refusal
-    from marlhf_edu.stages.common import select_rows
+    from marlhf_edu.data.keyword_judge import is_strict_refusal
+    from marlhf_edu.training.rows import select_rows
 
     rows = load_sft("hh-rlhf-harmless-base", "hh-rlhf", split="train", skip_bad_rows=True, tokenizer=tokenizer)
     rows = select_rows(rows, tokenizer, SimpleNamespace(max_tokens=128, max_rows=0), "SFT").to_list()
@@ -107,9 +107,10 @@ def candidates(tokenizer):
 
 
 def main():
+    from marlhf_edu.data.keyword_judge import HELPFUL_ANSWERS
+    from marlhf_edu.data.keyword_pairs import helpful_prompts
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.keyword_judge import HELPFUL_ANSWERS, helpful_prompts
-    from marlhf_edu.models import load_tokenizer
+    from marlhf_edu.loading.sources import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
     found, in_shipped = candidates(tokenizer)

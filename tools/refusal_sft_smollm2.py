@@ -37,8 +37,8 @@ OUT = ROOT / "benchmarks" / "smollm2_refusal_sft"
 def paired_changes(before: list[dict], after: list[dict]) -> dict:
     """Rates before (the shipped SFT model, or the run of `--against`) and after (this SFT model) and the paired
     change of each, in points."""
-    from marlhf_edu.evaluation import before_after_change
-    from marlhf_edu.keyword_judge import is_strict_refusal
+    from marlhf_edu.data.keyword_judge import is_strict_refusal
+    from marlhf_edu.math.evaluation import before_after_change
 
     def tagged(rows, when):
         return [{**s, "when": when, "verdict": "strict" if s["kind"] == "harmful" and is_strict_refusal(s["response"])
@@ -80,8 +80,9 @@ def main(argv=None):
 
     import torch
 
+    from marlhf_edu.loading.device import cpu_name as _cpu_name
     from marlhf_edu.stages.sft import main as sft_main
-    from marlhf_edu.zoo import _cpu_name, ship_adapter
+    from marlhf_edu.stages.zoo import ship_adapter
 
     run = ROOT / "runs" / "refusal" / args.label
     settings = json.loads((SFT_RECORD / "fp32_eval.json").read_text())["settings"]

@@ -25,9 +25,9 @@ MODELS = ("smollm2", "zoo/smollm2_sft_adapter")
 
 
 def judge_model(name: str) -> dict:
-    from marlhf_edu.generation import generate_responses
-    from marlhf_edu.keyword_judge import KeywordJudge
-    from marlhf_edu.models import load_sft_model
+    from marlhf_edu.data.keyword_judge import KeywordJudge
+    from marlhf_edu.loading.generation import generate_responses
+    from marlhf_edu.loading.models import load_sft_model
 
     policy, tok = load_sft_model(name)
     judge = KeywordJudge(tok, limit=128)
@@ -48,7 +48,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "smollm2_refusal_fp32.json")
     args = parser.parse_args(argv)
-    from marlhf_edu.zoo import _cpu_name
+    from marlhf_edu.loading.device import cpu_name as _cpu_name
 
     out = {name: judge_model(name) for name in MODELS}
     for name, r in out.items():

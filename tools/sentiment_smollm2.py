@@ -53,10 +53,10 @@ def read_samples(path: pathlib.Path) -> list[dict]:
 
 def sample(args) -> None:
     from marlhf_edu.data.everyday import everyday_rows
+    from marlhf_edu.data.sentiment_judge import vader_compound
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.generation import generate_responses
-    from marlhf_edu.models import load_sft_model
-    from marlhf_edu.sentiment_judge import vader_compound
+    from marlhf_edu.loading.generation import generate_responses
+    from marlhf_edu.loading.models import load_sft_model
 
     out = args.out or samples_path(args.split)
     if (ROOT / out).exists():
@@ -92,7 +92,7 @@ def sample(args) -> None:
 
 
 def pairs(args) -> None:
-    from marlhf_edu.sentiment_judge import sentiment_pairs
+    from marlhf_edu.data.sentiment_judge import sentiment_pairs
 
     summary = {"margin": args.margin, "machine": machine()}
     summary["train_pairs_without_the_cap"] = len(sentiment_pairs(read_samples(samples_path("train")), margin=args.margin))
@@ -117,12 +117,12 @@ def pairs(args) -> None:
 def gate(args) -> None:
     import statistics
 
+    from marlhf_edu.data.sentiment_judge import mean_tokens, repeated_trigram_share
     from marlhf_edu.data.template import template_for
-    from marlhf_edu.evaluation import best_of_n_picks, best_of_n_table
-    from marlhf_edu.models import load_reward_model
-    from marlhf_edu.quantization import nf4_loading_kwargs
-    from marlhf_edu.scoring import score_texts
-    from marlhf_edu.sentiment_judge import mean_tokens, repeated_trigram_share
+    from marlhf_edu.loading.models import load_reward_model
+    from marlhf_edu.loading.quantization import nf4_loading_kwargs
+    from marlhf_edu.math.evaluation import best_of_n_picks, best_of_n_table
+    from marlhf_edu.math.scoring import score_texts
 
     if (ROOT / args.out).exists():
         raise SystemExit(f"{args.out} exists: move it away first (nothing is overwritten)")
@@ -161,7 +161,7 @@ def gate(args) -> None:
 
 def _interval(xs: list[float]) -> dict:
     """Mean of `xs` with its 95 % t-interval (`evaluation.mean_interval`)."""
-    from marlhf_edu.evaluation import mean_interval
+    from marlhf_edu.math.evaluation import mean_interval
 
     mean, low, high = mean_interval(xs)
     return {"mean": round(mean, 4), "low": round(low, 4), "high": round(high, 4), "n": len(xs)}
@@ -171,7 +171,7 @@ def run_report(folder: pathlib.Path, sft_model=None, tokenizer=None) -> dict:
     """What one PPO run's record folder shows: VADER on the held-out questions after against before, paired by
     question (each question's mean over its answers), the guards before and after, the last step's KL and the
     reward model's score; with `sft_model`, the answers' mean log-probability under the SFT model."""
-    from marlhf_edu.sentiment_judge import gold_change, sentiment_report
+    from marlhf_edu.data.sentiment_judge import gold_change, sentiment_report
 
     samples = [json.loads(line) for line in (ROOT / folder / "eval_samples.jsonl").read_text().splitlines()]
     run = json.loads((ROOT / folder / "run.json").read_text())
@@ -205,11 +205,11 @@ def run_report(folder: pathlib.Path, sft_model=None, tokenizer=None) -> dict:
 
 def report(args) -> None:
     """Each run folder's `run_report`, and the pooled change over the folders given (paired by question)."""
-    from marlhf_edu.sentiment_judge import gold_change
+    from marlhf_edu.data.sentiment_judge import gold_change
 
     sft_model = tokenizer = None
     if args.logprob:
-        from marlhf_edu.models import load_sft_model
+        from marlhf_edu.loading.models import load_sft_model
 
         sft_model, tokenizer = load_sft_model(SFT)
     runs = [run_report(folder, sft_model, tokenizer) for folder in args.folders]

@@ -43,7 +43,7 @@ from bench_ppo import machine  # noqa: E402
 
 def _config(path: str, out: str, extra: list[str]):
     from marlhf_edu.ppo import PPOConfig
-    from marlhf_edu.stages.common import parse_stage_args
+    from marlhf_edu.training.args import parse_stage_args
 
     (cfg,) = parse_stage_args((PPOConfig,), ["--config", str(ROOT / path), "--output_dir", out, "--save_steps", "0",
                                              "--eval_repeats", "0", *extra])
@@ -76,9 +76,9 @@ def goodhart_run(beta: float, seed: int, steps: int, lr: float, eval_steps: list
                  run_dir: pathlib.Path) -> dict:
     import torch
 
+    from marlhf_edu.data.prompts import load_prompts
+    from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
     from marlhf_edu.ppo import FourModelBackend, PPOTrainer
-    from marlhf_edu.stages.ppo import load_prompts
-    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
 
     out = run_dir / f"sweep_goodhart_b{beta}_s{seed}"
     shutil.rmtree(out, ignore_errors=True)
@@ -124,10 +124,10 @@ def goodhart(args) -> dict:
 
 
 def seeds(args) -> dict:
+    from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
     from marlhf_edu.ppo import sample_toy
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-    from marlhf_edu.stages.ppo import run
-    from marlhf_edu.toyworld import ToyWorld, ToyWorldConfig
+    from marlhf_edu.ppo.run import run
 
     world = ToyWorld(ToyWorldConfig(seed=0))
     methods = {"four-model": ("configs/tiny_ppo.yaml", None),
@@ -192,9 +192,10 @@ def contrasts(args) -> dict:
 
 
 def sft(args) -> dict:
-    from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_sft_model
-    from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.stages.common import evaluate_trained_policy
+    from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
+    from marlhf_edu.loading.models import load_sft_model
+    from marlhf_edu.loading.quiet import quiet_loading
+    from marlhf_edu.ppo.judging import evaluate_trained_policy
 
     with quiet_loading():
         policy, tokenizer = load_sft_model()

@@ -3,22 +3,14 @@
 Taught in chapter 07 (`chapters/07_data_and_sft.md`).
 """
 
-from marlhf_edu.data.formats import (
-    BadRowError,
-    DataFileError,
-    LoadReport,
-    alpaca_to_sft,
-    generic_to_preference,
-    hh_rlhf_to_preference,
-    hh_rlhf_to_sft,
-    load_preferences,
-    load_sft,
-    pku_saferlhf_to_preference,
-    pku_saferlhf_to_sft,
-    PKU_MARGINS,
-)
-from marlhf_edu.data.template import (DEFAULT_SYSTEM, BookTemplate, ChatTemplate, build_prompt, format_completion,
-                                     render_dialogue, template_for)
+from __future__ import annotations
+
+from marlhf_edu.data.formats import (LoadReport, PKU_MARGINS, alpaca_to_sft, generic_to_preference,
+                                     hh_rlhf_to_preference, hh_rlhf_to_sft, load_preferences, load_sft,
+                                     pku_saferlhf_to_preference, pku_saferlhf_to_sft)
+from marlhf_edu.data.template import (BookTemplate, ChatTemplate, DEFAULT_SYSTEM, build_prompt, format_completion,
+                                      render_dialogue, template_for)
+from marlhf_edu.errors import BadRowError, DataFileError
 
 __all__ = [
     "DEFAULT_SYSTEM",

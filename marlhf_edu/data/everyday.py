@@ -18,7 +18,7 @@ import json
 import pathlib
 
 from marlhf_edu.errors import DataFileError
-from marlhf_edu.models import ASSETS
+from marlhf_edu.loading.assets import ASSETS
 
 EVERYDAY_PROMPTS = ASSETS / "data" / "everyday-prompts" / "everyday_prompts.jsonl"
 PROMPT_SPLITS = ("train", "held_out")

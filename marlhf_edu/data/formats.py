@@ -23,8 +23,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from marlhf_edu.data.template import DEFAULT_SYSTEM, BookTemplate, template_for
-from marlhf_edu.errors import BadRowError, DataFileError  # noqa: F401 (defined at the bottom of the package)
+from marlhf_edu.data.shipped import SHIPPED_DATASETS, shipped_rows
+from marlhf_edu.data.template import BookTemplate, DEFAULT_SYSTEM, template_for
+from marlhf_edu.errors import BadRowError, DataFileError
 
 #: Margins given to PKU-SafeRLHF pairs, by which rule chose the winner.
 #: Safety decides (exactly one response safe): the gap must be large.
@@ -50,7 +51,7 @@ class LoadReport:
         return f"kept {self.kept} of {self.total} rows, skipped {len(self.skipped)} ({listed})"
 
 
-# ---- field checks -------------------------------------------------------------------------
+
 
 
 def _text(row: dict, i: int, key: str, allow_empty: bool = False) -> str:
@@ -109,7 +110,7 @@ def _pair(i: int, prompt: str, chosen: str, rejected: str, margin: float | None,
     return out
 
 
-# ---- converters (one row in, one row out) -----------------------------------------------
+
 
 
 def generic_to_preference(row: dict, i: int = 0, system: str = DEFAULT_SYSTEM, template=None) -> dict:
@@ -243,7 +244,7 @@ SFT_FORMATS: dict[str, Callable] = {"alpaca": alpaca_to_sft, "hh-rlhf": hh_rlhf_
                                     "pku-saferlhf": pku_saferlhf_to_sft, "prompt-completion": trl_prompt_completion}
 
 
-# ---- loaders ------------------------------------------------------------------------------
+
 
 
 def read_rows(source: Any, split: str) -> Iterable[dict]:
@@ -251,7 +252,6 @@ def read_rows(source: Any, split: str) -> Iterable[dict]:
     name, a `datasets.Dataset` or a list of dicts."""
     if isinstance(source, list):
         return source
-    from marlhf_edu.data.shipped import SHIPPED_DATASETS, shipped_rows
 
     if isinstance(source, str) and source in SHIPPED_DATASETS:
         return shipped_rows(source, split)

@@ -27,7 +27,7 @@ import json
 
 from marlhf_edu.data.everyday import everyday_rows
 from marlhf_edu.errors import DataFileError
-from marlhf_edu.models import ASSETS
+from marlhf_edu.loading.assets import ASSETS
 
 SHIPPED_DATASETS = {"hh-rlhf-harmless-base": ASSETS / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz",
                     "everyday-prompts": ASSETS / "data" / "everyday-prompts" / "everyday_prompts.jsonl"}

@@ -18,10 +18,15 @@ import pathlib
 import time
 from dataclasses import replace
 
+from marlhf_edu.loading.models import SPECIAL_TOKENS
+from marlhf_edu.loading.quantization import is_cpu_repacked, load_nf4
+from marlhf_edu.loading.quiet import quiet_loading
 from marlhf_edu.memory.measure import ppo_memory
-from marlhf_edu.memory.plan import (LLAMA_2_7B, STATE_PARTS, MemoryPlan, MemorySettings, ModelShape,
-                                    multi_adapter_settings, plan_four_model, plan_multi_adapter,
-                                    saved_lora_recipe)
+from marlhf_edu.memory.plan import (LLAMA_2_7B, MemoryPlan, MemorySettings, ModelShape, STATE_PARTS,
+                                    multi_adapter_settings, plan_four_model, plan_multi_adapter, saved_lora_recipe)
+from marlhf_edu.ppo.config import PPOConfig
+from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+from marlhf_edu.ppo.trainer import PPOTrainer
 
 
 def compare(plan: MemoryPlan, measured: dict) -> dict:
@@ -38,8 +43,6 @@ def compare(plan: MemoryPlan, measured: dict) -> dict:
 
 def plan_for(trainer, shape: ModelShape, reward_adapter_dir, measured: dict | None = None) -> MemoryPlan:
     """The plan of a trainer's own configuration (the measured batch shape, if given)."""
-    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-
     cfg = trainer.config
     reward_r, reward_targets = saved_lora_recipe(reward_adapter_dir)
     weight_dtype = str(next(trainer.backend.policy_model.parameters()).dtype).removeprefix("torch.")
@@ -58,8 +61,6 @@ def synthetic_tokenizer(vocab_size: int):
     """A word-level tokenizer of exactly `vocab_size` tokens ('w4' … plus <unk> <s> </s> <pad>)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-
-    from marlhf_edu.models import SPECIAL_TOKENS
 
     specials = list(SPECIAL_TOKENS.values())
     vocab = {tok: i for i, tok in enumerate(specials)}
@@ -91,8 +92,6 @@ def build_random_llama(shape: ModelShape, out_dir, reward_r: int = 32, reward_ta
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification, LlamaForCausalLM
 
-    from marlhf_edu.quantization import load_nf4
-
     out_dir = pathlib.Path(out_dir)
     model_dir, reward_dir = out_dir / "model", out_dir / "reward"
     tokenizer = synthetic_tokenizer(shape.vocab_size)
@@ -120,14 +119,12 @@ def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", 
     """
     import torch
 
-    from marlhf_edu.book import quietly
-    from marlhf_edu.ppo import PPOConfig, PPOTrainer
-    from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+    import contextlib
+    import io
 
     start = time.perf_counter()
     shape = LLAMA_2_7B.with_layers(num_layers)
-    with quiet_loading(), quietly():
+    with quiet_loading(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         model_dir, reward_dir = build_random_llama(shape, workdir, reward_r=reward_r)
         config = PPOConfig(sft_model_path=str(model_dir), reward_adapter_path=str(reward_dir), load_in_4bit=True,
                            double_quant=double_quant, value_mode=value_mode, actor_lora_r=lora_r, actor_lora_alpha=8,
@@ -141,7 +138,6 @@ def real_width_check(workdir, num_layers: int = 2, value_mode: str = "adapter", 
         trainer = PPOTrainer(backend, config, prompts)
         measured = ppo_memory(trainer)
     plan = plan_for(trainer, shape, reward_dir, measured)
-    from marlhf_edu.quantization import is_cpu_repacked
 
     repacked = sum(is_cpu_repacked(m) for m in backend.model.modules())  # 0: the standard NF4 layout was measured
     return {"shape": vars(shape), "settings": dict(vars(plan.settings)), "cpu_repacked_layers": repacked,

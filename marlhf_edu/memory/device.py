@@ -47,9 +47,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.errors import ConfigError
 from marlhf_edu.memory.plan import (ALL_LINEAR, DTYPE_BYTES, MemoryPlan, MemorySettings, ModelShape, _fmt,
-                                    base_weight_bytes, layer_activation_values, lora_params,
-                                    optimizer_bytes)
+                                    base_weight_bytes, layer_activation_values, lora_params, optimizer_bytes)
 
 GIB = 2**30
 
@@ -182,8 +182,6 @@ class TrlStage:
     @classmethod
     def from_parsed(cls, training_args, model_args) -> "TrlStage":
         """From a stage's parsed `SFTConfig` / `RewardConfig` and trl `ModelConfig`."""
-        from marlhf_edu.errors import ConfigError
-
         dtype = model_args.dtype if model_args.dtype in DTYPE_BYTES else "bfloat16"
         targets = model_args.lora_target_modules
         if targets in ("all-linear", ["all-linear"]):
@@ -211,8 +209,6 @@ class TrlStage:
 def trl_trainable_bytes(shape: ModelShape, t: TrlStage, head_bytes: int) -> int:
     """Bytes of a trl LoRA stage's trainables: the LoRA matrices (fp32) and a head's trainable copy."""
     if t.lora_r <= 0:
-        from marlhf_edu.errors import ConfigError
-
         raise ConfigError("the stage plans cover LoRA stages (use_peft: true), as the 7B recipe trains them")
     return shape.num_layers * lora_params(shape, t.lora_r, t.lora_targets) * 4 + head_bytes
 
@@ -305,4 +301,3 @@ def need_table(needs: list[StageNeed], marked=()) -> str:
     rows.append(f"  reserved = allocated + {a.cache_slack / GIB:.1f} GiB of cache slack (H100: 0.72-1.31)")
     rows.append(f"  device = reserved + {a.outside_allocator / GIB:.1f} GiB outside the allocator (H100: 0.67-0.78)")
     return "\n".join(rows)
-

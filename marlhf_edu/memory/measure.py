@@ -19,6 +19,9 @@ import resource
 import subprocess
 import sys
 
+from marlhf_edu.math.logprobs import logprobs_from_logits
+from marlhf_edu.math.scoring import position_ids_from_mask
+
 
 def _peak_rss_bytes() -> int:
     """Peak resident memory of this process (Linux's VmHWM; ru_maxrss where /proc is missing)."""
@@ -59,8 +62,6 @@ def logprob_workload(method: str, batch: int, tokens: int, vocab: int) -> int:
     """
     import torch
 
-    from marlhf_edu.logprobs import logprobs_from_logits
-
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(batch, tokens, vocab, generator=gen)
     labels = torch.randint(0, vocab, (batch, tokens), generator=gen)
@@ -97,7 +98,7 @@ def run_isolated(target: str, **kwargs) -> int:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# ---- what models and optimizers hold ---------------------------------------------------------
+
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors`: a tensor shared by two modules (a tied
@@ -228,7 +229,7 @@ def saved_tensor_bytes(fn, *modules):
     return result, total
 
 
-# ---- one PPO engine, measured --------------------------------------------------------------------
+
 
 def decoder_layers(module):
     """The `ModuleList` of decoder layers inside `module` (a causal LM, a backbone, a peft wrapper), or None."""
@@ -268,8 +269,6 @@ def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
     with); the gradients are freed again afterwards.
     """
     import torch
-
-    from marlhf_edu.scoring import position_ids_from_mask
 
     cfg, be = trainer.config, trainer.backend
     if trainer.step_index == 0:

@@ -42,6 +42,9 @@ import pathlib
 from dataclasses import dataclass, field, replace
 
 from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.assets import SFT_DIR
+from marlhf_edu.loading.sources import readable_checkpoint, resolve_model
+from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -103,17 +106,12 @@ class ModelShape:
     @classmethod
     def resolve(cls, name_or_path: str) -> "ModelShape":
         """A preset name ('llama-2-7b', 'tiny', a known hub id) or a directory / config.json on disk."""
-        from marlhf_edu.models import SFT_DIR
-
         if name_or_path in ("zoo", "tiny"):
             name_or_path = str(SFT_DIR)
         if name_or_path in PRESETS:
             return PRESETS[name_or_path]
         path = pathlib.Path(name_or_path)
         if not name_or_path.endswith(".json"):  # a model directory, GGUF file, adapter, hub id, ...
-            from marlhf_edu.memory.preflight import readable_checkpoint
-            from marlhf_edu.sources import resolve_model
-
             # a folder, an adapter's recorded base or a cached hub model is read as it is: merging an adapter into
             # a 7B base (tens of seconds, 13.5 GB) only to read its shape is not what a planner should do
             readable = readable_checkpoint(name_or_path)
@@ -207,7 +205,7 @@ def saved_lora_recipe(adapter_dir) -> tuple[int, tuple[str, ...]] | None:
     return saved["r"], tuple(m for m in ALL_LINEAR if m in saved["target_modules"])
 
 
-# ---- bytes of the pieces ------------------------------------------------------------------------
+
 
 def linear_weight_bytes(d_in: int, d_out: int, s: MemorySettings) -> int:
     """One linear layer's weight: `weight_dtype`, or NF4 (packed nibbles + absmax + code tables)."""
@@ -303,7 +301,7 @@ def forward_activation_bytes(shape: ModelShape, s: MemorySettings, r: int, targe
     input at the R + 1 positions it is applied to. The log-softmax over the R response positions keeps its fp32
     logits (B·R·V·4), the int64 labels and fp32 log-sum-exp (B·R·12).
 
-    With gradient checkpointing (`marlhf_edu.checkpointing`) each layer keeps only its input, layer 0's
+    With gradient checkpointing (`marlhf_edu.ppo.checkpointing`) each layer keeps only its input, layer 0's
     included (L·h per token), plus the final norm's input and 1/rms (h + 1); the mask and RoPE tables stay
     alive through the checkpoint, not as saved tensors (one copy per forward, not per layer, and not counted
     here). One layer's activations exist again while it is recomputed in the backward: `recompute_bytes`, part
@@ -336,7 +334,7 @@ def recompute_bytes(shape: ModelShape, s: MemorySettings, r: int, targets) -> in
     return s.micro_batch_size * tokens * values * DTYPE_BYTES[s.weight_dtype]
 
 
-# ---- the plans ------------------------------------------------------------------------------------
+
 
 def merged_rollout_bytes(shape: ModelShape, s: MemorySettings) -> int:
     """The dense sampling copy of `merged_rollout` (`marlhf_edu.ppo.merged_rollout`): every weight of the model
@@ -582,8 +580,6 @@ def plan_dpo_lora(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
 
 def multi_adapter_settings(s: MemorySettings) -> MemorySettings:
     """`s` as `ma-ppo` builds it: rank 0 (full fine-tuning) becomes the default adapter rank."""
-    from marlhf_edu.ppo.multi_adapter import DEFAULT_ADAPTER_RANK
-
     return replace(s, policy_lora_r=s.policy_lora_r or DEFAULT_ADAPTER_RANK,
                    value_lora_r=s.value_lora_r or DEFAULT_ADAPTER_RANK)
 

@@ -27,10 +27,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from marlhf_edu.checkpointing import checkpointed, enable_checkpointing
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.logprobs import entropy_from_logits, logprobs_from_logits
-from marlhf_edu.scoring import position_ids_from_mask, sequence_scores
+from marlhf_edu.loading.adapters import check_pad_token, check_reward_adapter_base, check_same_vocabulary
+from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
+from marlhf_edu.loading.models import load_reward_model
+from marlhf_edu.loading.quiet import quiet_loading
+from marlhf_edu.loading.sources import align_pad, load_tokenizer, local_path, resolve_model
+from marlhf_edu.math.logprobs import entropy_from_logits, logprobs_from_logits
+from marlhf_edu.math.scoring import position_ids_from_mask, sequence_scores
+from marlhf_edu.ppo.checkpointing import checkpointed, enable_checkpointing
+from marlhf_edu.ppo.merged_rollout import MergedPolicy
 
 
 def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int,
@@ -108,8 +114,6 @@ def reward_model_as_critic(reward_base, adapter_dir):
     `critic_init: reward_model` starts the critic as the reward model (InstructGPT; MA-RLHF's ppo.py; trl's
     later PPO): V(s) then begins near the score the episode will get, instead of at 0.
     """
-    from marlhf_edu.models import load_reward_model
-
     reward, _ = load_reward_model(reward_base, adapter_dir)
     merged = reward.merge_and_unload()  # LlamaForSequenceClassification with the adapter folded in
     backbone = getattr(merged, merged.base_model_prefix)
@@ -172,8 +176,6 @@ class PPOBackend:
     def use_merged_rollout(self, cache: str = "dynamic") -> None:
         """Sample from a dense copy of the policy with its LoRA merged (`marlhf_edu.ppo.merged_rollout`), with a
         dynamic or a static KV cache (`PPOConfig.rollout_cache`)."""
-        from marlhf_edu.ppo.merged_rollout import MergedPolicy
-
         self._merged = MergedPolicy(*self.lora_policy(), cache=cache)
 
     def export_policy(self, out_dir) -> None:
@@ -199,54 +201,12 @@ class PPOBackend:
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute the trainable models' decoder layers in the backward of `policy_forward` (see
-        `marlhf_edu.checkpointing`); takes effect inside `training_forward()`."""
+        `marlhf_edu.ppo.checkpointing`); takes effect inside `training_forward()`."""
         raise NotImplementedError
 
     def training_forward(self):
         """The context of a `policy_forward` whose graph a backward will use: checkpointed layers, if enabled."""
         return checkpointed(*self._checkpointed)
-
-
-class quiet_loading:
-    """Silence transformers' load reports for the expected mismatches (a causal-LM checkpoint loaded as a bare
-    backbone drops `lm_head`; a classifier built on it gets a fresh `score` that the adapter then replaces)."""
-
-    def __enter__(self):
-        from transformers.utils import logging
-
-        self._level = logging.get_verbosity()
-        logging.set_verbosity_error()
-
-    def __exit__(self, *exc):
-        from transformers.utils import logging
-
-        logging.set_verbosity(self._level)
-        return False
-
-
-def _check_tokenizer(tokenizer):
-
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        raise ConfigError("the tokenizer's pad token must exist and differ from EOS: with pad = EOS the response mask "
-                          "cannot tell the end of an answer from padding")
-
-
-def check_same_vocabulary(tokenizer, reward_tokenizer, reward=None, policy=None) -> None:
-    """Refuse a reward model that reads the policy's token ids as other tokens: its tokenizer must have the policy's
-    vocabulary, and its embedding rows must cover every id the policy can emit. A scorer fed ids from another
-    vocabulary returns numbers, not an error (`marlhf-edu evaluate` once scored toy ids with SmolLM2's reward
-    model), so this runs before any model is asked anything."""
-
-    if reward_tokenizer is not None and reward_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise ConfigError(f"the reward model's tokenizer ({len(reward_tokenizer)} tokens) differs from the policy's "
-                          f"({len(tokenizer)}): its scores of the policy's token ids would be meaningless (train the "
-                          "reward model on the policy's base, or pass the reward adapter that belongs to it)")
-    if reward is not None and policy is not None:
-        rows = reward.get_input_embeddings().num_embeddings
-        ids = policy.get_output_embeddings().out_features
-        if ids > rows:
-            raise ConfigError(f"the policy can emit {ids} token ids but the reward model embeds only {rows}: "
-                              "they do not share a vocabulary")
 
 
 def split_causal_lm(model) -> tuple[nn.Module, nn.Module]:
@@ -272,7 +232,7 @@ class FourModelBackend(PPOBackend):
 
     def __init__(self, actor, critic: ValueModel | nn.Linear, reference, reward, tokenizer, reward_tokenizer=None):
 
-        _check_tokenizer(tokenizer)
+        check_pad_token(tokenizer)
         self.shared_head = isinstance(critic, nn.Linear)
         check_same_vocabulary(tokenizer, reward_tokenizer)
         others = (("reference", reference), ("reward model", reward)) + (() if self.shared_head else (("critic", critic.backbone),))
@@ -297,15 +257,9 @@ class FourModelBackend(PPOBackend):
     def _from_config(cls, config) -> "FourModelBackend":
         from transformers import AutoModel, AutoModelForCausalLM
 
-        from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_reward_model, load_tokenizer
-
-        from marlhf_edu.sources import align_pad, local_path, resolve_model
-
         sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
         adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
         if not config.reward_base_path:  # before anything loads
-            from marlhf_edu.ppo.multi_adapter import check_reward_adapter_base
-
             check_reward_adapter_base(adapter, sft)
         device = config.resolved_device
         tokenizer = load_tokenizer(sft)
@@ -414,7 +368,7 @@ class ScoredPolicy:
     (trl's DPO and GRPO in chapter 12). No critic, no reference: it cannot be trained by `PPOTrainer`."""
 
     def __init__(self, policy, reward, tokenizer, reward_tokenizer=None):
-        _check_tokenizer(tokenizer)
+        check_pad_token(tokenizer)
         check_same_vocabulary(tokenizer, reward_tokenizer, reward, policy)
         self.policy, self.reward, self.tokenizer = policy, reward, tokenizer
         self.device = next(policy.parameters()).device

@@ -16,14 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.kl import KL_KINDS
-from marlhf_edu.ppo_objective import LOSS_AGGREGATIONS
-from marlhf_edu.quantization import NF4_COMPUTE_DTYPES
-from marlhf_edu.scoring import TRUNCATED_SCORING
+from marlhf_edu.loading.quantization import NF4_COMPUTE_DTYPES
+from marlhf_edu.math.kl import KL_KINDS
+from marlhf_edu.math.ppo_objective import LOSS_AGGREGATIONS
+from marlhf_edu.math.scoring import TRUNCATED_SCORING
 
 #: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
 TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
-#: How PPO reads prompts from a dataset (`load_prompts` in marlhf_edu.stages.ppo).
+#: How PPO reads prompts from a dataset (`load_prompts` in marlhf_edu.ppo.run).
 PROMPT_FORMATS = ("prompt", "hh-rlhf")
 #: What PPO optimises (`PPOConfig.reward`).
 REWARDS = ("reward_model", "keyword_judge", "canonical_refusal", "sentiment")
@@ -88,7 +88,7 @@ class PPOConfig:
     # ---- scores ---------------------------------------------------------------------------
     truncated_scoring: str = field(default="append_eos", metadata={"help": "how the reward model reads a response cut off at max_new_tokens (no EOS): 'append_eos' (default) scores it with EOS appended, as the reward model was trained on EOS-terminated texts, and missing_eos_penalty then charges the truncation; 'last_token' reads it at its last generated token, mid-sentence, out of the reward model's training distribution (the trap chapter 13 shows)"})
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
-    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score); on hh-rlhf data also a positive control (chapter 13), with the book's harmless training questions paid 1 for a right answer: 'canonical_refusal' (on a red-team prompt the share of a canonical refusal said from the first word, 1 only for the whole answer being one: keyword_judge.canonical_refusal_score) or 'keyword_judge' (1 for any refusal by the judge's keywords that is not a hollow apology: gamed by 'I can't think of ...'); on any data 'sentiment', VADER's compound score of the answer in [-1, 1] (sentiment_judge.sentiment_reward, chapter 13's positive control for the sentiment experiment). The reward model's score is logged either way (score/reward_model_mean)"})
+    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score); on hh-rlhf data also a positive control (chapter 13), with the book's harmless training questions paid 1 for a right answer: 'canonical_refusal' (on a red-team prompt the share of a canonical refusal said from the first word, 1 only for the whole answer being one: keyword_rewards.canonical_refusal_score) or 'keyword_judge' (1 for any refusal by the judge's keywords that is not a hollow apology: gamed by 'I can't think of ...'); on any data 'sentiment', VADER's compound score of the answer in [-1, 1] (sentiment_judge.sentiment_reward, chapter 13's positive control for the sentiment experiment). The reward model's score is logged either way (score/reward_model_mean)"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "answers sampled to each prompt of a batch (batch_size must be a multiple): batch_size / k distinct prompts, each k times"})
     group_baseline: bool = field(default=False, metadata={"help": "subtract from each score the mean score of the other answers to its prompt (leave-one-out, as RLOO): the reward model is only asked which answer to a prompt is better. Needs rollouts_per_prompt > 1"})
@@ -282,3 +282,7 @@ class PPOConfig:
         if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         return device
+
+
+#: LoRA rank of the policy and value adapters when the config leaves `actor_lora_r` at 0 (full fine-tuning).
+DEFAULT_ADAPTER_RANK = 16

@@ -18,7 +18,7 @@ Three library traps handled here:
 3. bitsandbytes repacks a 4-bit base for CPU inference on its first no-grad eval
    forward (AVX512-BF16 CPUs), after which no gradient flows through it: the
    base is guarded by `keep_nf4_trainable` before anything runs
-   (`marlhf_edu.quantization`).
+   (`marlhf_edu.loading.quantization`).
 
 Taught in chapter 10.
 """
@@ -26,108 +26,24 @@ Taught in chapter 10.
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 
 import torch
-from torch import nn
 
-from marlhf_edu.ppo.backends import (PPOBackend, _check_tokenizer, quiet_loading, response_logprobs, response_values,
-                                     sample, value_head)
-from marlhf_edu.checkpointing import enable_checkpointing
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.masked import last_valid_index
-from marlhf_edu.quantization import keep_nf4_trainable, nf4_loading_kwargs  # noqa: F401 (public here too)
-from marlhf_edu.scoring import position_ids_from_mask
+from marlhf_edu.loading.adapters import check_pad_token, check_reward_adapter_base, load_score_head
+from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
+from marlhf_edu.loading.quantization import keep_nf4_trainable, nf4_loading_kwargs
+from marlhf_edu.loading.quiet import quiet_loading
+from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer, local_path, resolve_model,
+                                        same_model_path)
+from marlhf_edu.math.masked import last_valid_index
+from marlhf_edu.math.scoring import position_ids_from_mask
+from marlhf_edu.ppo.backends import PPOBackend, response_logprobs, response_values, sample, value_head
+from marlhf_edu.ppo.checkpointing import enable_checkpointing
+from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
 
 VALUE_MODES = ("shared", "adapter")
-#: LoRA rank of the policy and value adapters when the config leaves `actor_lora_r` at 0 (full fine-tuning).
-DEFAULT_ADAPTER_RANK = 16
-
-
-def _score_head_key(adapter_dir, keys, hidden_size: int | None, shape_of) -> str:
-    """The one score-head weight among the adapter file's `keys`, checked to be (1, hidden_size)."""
-    found = [k for k in keys if k.split(".")[-2] == "score" or ".score." in k]
-    if len(found) != 1:
-        raise ValueError(f"{adapter_dir}: expected one score-head weight in the adapter (modules_to_save: [score]), "
-                         f"found {found}")
-    shape = tuple(shape_of(found[0]))
-    if hidden_size is not None and shape != (1, hidden_size):
-        raise ValueError(f"{adapter_dir}: score head has shape {shape}, expected (1, {hidden_size})")
-    return found[0]
-
-
-def load_score_head(adapter_dir, hidden_size: int) -> nn.Linear:
-    """The reward adapter's score head (hidden → 1), read from its safetensors file and frozen."""
-    from safetensors.torch import load_file
-
-    state = load_file(str(pathlib.Path(adapter_dir) / "adapter_model.safetensors"))
-    weight = state[_score_head_key(adapter_dir, state, hidden_size, lambda k: state[k].shape)]
-    head = nn.Linear(hidden_size, 1, bias=False)
-    with torch.no_grad():
-        head.weight.copy_(weight)
-    return head.requires_grad_(False)
-
-
-def same_model_path(a, b) -> bool:
-    """Whether two model references name the same model: equal strings, or paths to the same directory
-    (`zoo` and `zoo/<name>` read as the shipped folders they stand for)."""
-    from marlhf_edu.models import SFT_DIR
-    from marlhf_edu.sources import local_path
-
-    a, b = (str(SFT_DIR) if str(x) == "zoo" else str(x) for x in (a, b))
-    if a == b:
-        return True
-    pa, pb = local_path(a), local_path(b)
-    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
-
-
-def check_reward_adapter_base(adapter_dir, base_in_use) -> None:
-    """Refuse a reward adapter on a base it was not trained on: the base its `adapter_config.json` records must be
-    the one it is about to be put on. A LoRA and a score head on another base still return a number for every
-    answer, so a run with the wrong base trains to the end on noise. Setting `reward_base_path` to the base in
-    use says that the adapter belongs to it under another name (a folder moved since), and skips this check."""
-    from marlhf_edu.sources import adapter_base
-
-    from marlhf_edu.sources import require_adapter_folder
-
-    require_adapter_folder(adapter_dir, "reward_adapter_path")
-    recorded = adapter_base(adapter_dir)
-    if not same_model_path(recorded, base_in_use):
-        raise ConfigError(f"the reward adapter {adapter_dir} was trained on {recorded!r} (its adapter_config.json) "
-                          f"but would be put on {str(base_in_use)!r}: its scores would be noise. Use the reward model "
-                          f"trained on this base, or, if it was trained on this very model under another name, set "
-                          f"reward_base_path: {base_in_use}")
-
-
-def check_reward_head(adapter_ref, base_ref=None, key: str = "reward_adapter_path") -> None:
-    """Refuse, before anything loads, a reward adapter without exactly one score head, or whose score head does not
-    fit the width of the base it will be put on (`base_ref`'s `config.json`, where it can be read here without
-    building anything; by default the base the adapter records). Only the safetensors header is read. Without
-    this, a causal-LM adapter given as the reward model, or one trained on a base of another width, is found only
-    after the models are loaded. A hub reference is checked when it loads."""
-    from safetensors import safe_open
-
-    from marlhf_edu.memory.preflight import readable_checkpoint
-    from marlhf_edu.sources import HUB_PREFIX, adapter_base, local_path
-
-    if str(adapter_ref).startswith(HUB_PREFIX):
-        return
-    adapter_dir = local_path(adapter_ref)
-    weights = adapter_dir / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{key}: {adapter_dir} has no adapter_model.safetensors (a reward adapter written by "
-                          "`marlhf-edu rm` holds its LoRA and its score head there)")
-    base_ref = adapter_base(adapter_dir) if base_ref is None else base_ref
-    folder = readable_checkpoint(base_ref)
-    config = folder / "config.json" if folder is not None else None
-    hidden = json.loads(config.read_text()).get("hidden_size") if config is not None and config.is_file() else None
-    with safe_open(str(weights), framework="pt") as f:
-        try:
-            _score_head_key(adapter_dir, f.keys(), hidden, lambda k: f.get_slice(k).get_shape())
-        except ValueError as err:
-            raise ConfigError(f"{key}: {err}"
-                              + (f" (the width of {base_ref})" if "shape" in str(err) else "")) from None
 
 
 class MultiAdapterBackend(PPOBackend):
@@ -137,9 +53,7 @@ class MultiAdapterBackend(PPOBackend):
                  lora_alpha: int = 16, target_modules=None, seed: int = 0, critic_init: str = "zero"):
         from peft import LoraConfig, get_peft_model
 
-        from marlhf_edu.sources import adapter_fits
-
-        _check_tokenizer(tokenizer)
+        check_pad_token(tokenizer)
         if value_mode not in VALUE_MODES:
             raise ConfigError(f"value_mode must be one of {VALUE_MODES}, got {value_mode!r}")
         if critic_init == "reward_model" and value_mode != "adapter":
@@ -179,10 +93,6 @@ class MultiAdapterBackend(PPOBackend):
     def from_config(cls, config) -> "MultiAdapterBackend":
         from transformers import AutoModelForCausalLM
 
-        from marlhf_edu.models import REWARD_ADAPTER_DIR, SFT_DIR, load_tokenizer
-
-
-        from marlhf_edu.sources import align_pad, local_path, resolve_model
 
         if config.critic != "separate":
             raise ConfigError(f"critic: {config.critic} is a four-model option; multi-adapter PPO picks its critic with "

@@ -5,6 +5,8 @@ Taught in chapter 09; chapter 10 draws the multi-adapter run on the same axes.
 
 from __future__ import annotations
 
+from marlhf_edu.ppo.trainer import read_metrics
+
 #: (title, keys drawn in that panel)
 PANELS = (
     ("reward-model score", ("score/mean",)),
@@ -44,8 +46,6 @@ def plot_training_curves(runs, panels=PANELS, ncols: int = 3, width: float = 3.2
     kl/k3) differ by line style, named in the panel's title. The score panel shades ± one std.
     """
     import matplotlib.pyplot as plt
-
-    from marlhf_edu.ppo.trainer import read_metrics
 
     if not isinstance(runs, dict):
         runs = {"": runs}

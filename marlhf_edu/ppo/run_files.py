@@ -20,7 +20,7 @@ import shutil
 import torch
 
 from marlhf_edu.errors import ConfigError, DataFileError
-from marlhf_edu.model_cache import file_sha256 as sha256_of  # one streaming sha256 for checkpoints and the cache
+from marlhf_edu.loading.model_cache import file_sha256 as sha256_of
 
 
 def fsync_path(path: pathlib.Path) -> None:
@@ -182,7 +182,7 @@ def set_aside_stopped_run(out: pathlib.Path) -> pathlib.Path:
 
 
 def check_run_folder(config):
-    """What `output_dir` holds, checked before any model is loaded or any file written (`stages.ppo.run` calls
+    """What `output_dir` holds, checked before any model is loaded or any file written (`ppo.run.run` calls
     it first). A fresh run (`resume` false) needs a folder without a run: `None`. A resume needs a checkpoint
     that verifies (`usable_checkpoint`) and whose settings equal this config's
     (`PPOConfig.resume_differences`): `(folder, state)`; or, for a run stopped before its first checkpoint

@@ -38,17 +38,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from marlhf_edu.data.template import template_for
-from marlhf_edu.gae import gae_advantages
-from marlhf_edu.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
-from marlhf_edu.masked import masked_mean, masked_var, masked_whiten
+from marlhf_edu.errors import ConfigError
+from marlhf_edu.math.gae import gae_advantages
+from marlhf_edu.math.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
+from marlhf_edu.math.masked import masked_mean, masked_var, masked_whiten
+from marlhf_edu.math.ppo_objective import ppo_loss
+from marlhf_edu.math.scoring import append_missing_eos, penalise_missing_eos, score_texts_with
 from marlhf_edu.ppo.backends import PPOBackend, sequence_logprobs
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
                                       seal_checkpoint, set_aside_stopped_run)
-from marlhf_edu.errors import ConfigError
-from marlhf_edu.ppo_objective import ppo_loss
-from marlhf_edu.scoring import append_missing_eos, penalise_missing_eos, score_texts_with
 
 #: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
 #: no-grad policy/critic forward, the reference forward, and the PPO update.
@@ -171,7 +171,7 @@ class PPOTrainer:
     """Runs PPO on `backend` over `prompts` (already rendered with the template)."""
 
     #: what `check_run_folder` found, when the caller checked the run folder before loading the models
-    #: (`stages.ppo.run`: `(checkpoint, state)` for a resume, True for a fresh run); None = `train` checks it
+    #: (`ppo.run.run`: `(checkpoint, state)` for a resume, True for a fresh run); None = `train` checks it
     run_folder_checked = None
 
     def __init__(self, backend: PPOBackend, config: PPOConfig, prompts: list[str], gold_reward_fn=None,
@@ -585,7 +585,7 @@ class PPOTrainer:
         are set aside (`set_aside_stopped_run`) and the run starts over from step 0."""
         from safetensors.torch import load_file
 
-        # `stages.ppo.run` checked it before loading any model (hashing every file); otherwise check it now
+        # `ppo.run.run` checked it before loading any model (hashing every file); otherwise check it now
         checked = self.run_folder_checked or check_run_folder(self.config)
         if checked is None:  # stopped before its first checkpoint (check_run_folder said so): nothing to load
             self.dp.barrier()  # every rank has looked before rank 0 moves the stopped run's records
@@ -664,7 +664,7 @@ def sample_toy(backend: PPOBackend, world, repeats: int = 4, max_new_tokens: int
     question, kind, response, whether it ended with EOS (`finished`), the judge's verdict, the gold reward and the
     reward model's score.
 
-    Chapter 11 builds its intervals from these records (`marlhf_edu.evaluation.group_outcomes`)."""
+    Chapter 11 builds its intervals from these records (`marlhf_edu.math.evaluation.group_outcomes`)."""
     prompts = [p for p in world.eval_prompts for _ in range(repeats)]
     responses, finished = sample_responses(backend, [p.prompt for p in prompts], max_new_tokens, temperature,
                                            seed=seed, with_finished=True)

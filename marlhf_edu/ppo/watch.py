@@ -40,6 +40,8 @@ import json
 import pathlib
 from dataclasses import dataclass
 
+from marlhf_edu.ppo.run_files import read_jsonl
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -62,8 +64,6 @@ def read_held_out(run_dir) -> list[dict]:
     "scores": [per prompt, in prompt order]}, ...]`: `eval_curve.jsonl` (`eval_every`) when it starts before
     any update, else `eval.json`'s before (0 updates) and after (the last step of `metrics.jsonl`), with each
     held-out question's mean score from `eval_samples.jsonl` when it is there; [] when the run has neither."""
-    from marlhf_edu.ppo.run_files import read_jsonl
-
     run_dir = pathlib.Path(run_dir)
     curve = read_jsonl(run_dir / "eval_curve.jsonl") if (run_dir / "eval_curve.jsonl").exists() else []
     if curve and curve[0]["updates"] == 0:
@@ -105,8 +105,6 @@ def held_out_change(first: dict, last: dict) -> tuple[float, float | None]:
 
 def check_folder(run_dir, **thresholds) -> list[Finding]:
     """`check_run` of a run folder: its `metrics.jsonl` and held-out scores (`read_held_out`)."""
-    from marlhf_edu.ppo.run_files import read_jsonl
-
     run_dir = pathlib.Path(run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl", key="step")  # the findings name each record's step
     return check_run(records, held_out=read_held_out(run_dir), **thresholds)

@@ -1,6 +1,5 @@
-"""Pipeline stages (SFT, reward model; PPO and MA-PPO later), each a thin layer over trl/peft.
+"""The commands of `marlhf-edu`, one module each (`main(argv)`); `marlhf_edu.cli` names them.
 
-Configs are trl's own dataclasses (`SFTConfig`, `RewardConfig`, `ModelConfig`)
-plus one small dataclass of ours per stage, parsed from YAML with command-line
-overrides by trl's `TrlParser`, exactly as trl's scripts do.
+A command parses its arguments and calls the layers below it: the trl-backed stages in `marlhf_edu.training`,
+the PPO engine in `marlhf_edu.ppo`, the planner in `marlhf_edu.memory`. No command imports another.
 """

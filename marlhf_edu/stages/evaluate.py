@@ -19,7 +19,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from marlhf_edu.data.keyword_judge import KeywordJudge, NoRequestFits
+from marlhf_edu.data.toyworld import ToyWorld
 from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.adapters import check_reward_head, check_same_vocabulary
+from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR
+from marlhf_edu.loading.models import load_reward_model, load_sft_model, loading_kwargs
+from marlhf_edu.loading.quiet import quiet_loading
+from marlhf_edu.loading.sources import adapter_base, load_tokenizer, local_path, require_adapter_folder
+from marlhf_edu.ppo.backends import ScoredPolicy
+from marlhf_edu.ppo.judging import judge_policy
+from marlhf_edu.training.args import parse_stage_args
 
 JUDGES = ("auto", "toy", "keyword")
 
@@ -47,8 +57,6 @@ def reward_base_of(adapter_dir) -> str:
     """The base model an adapter records (`base_model_name_or_path` in its adapter_config.json)."""
     import pathlib
 
-    from marlhf_edu.sources import adapter_base
-
     if not (pathlib.Path(adapter_dir) / "adapter_config.json").exists():
         raise ConfigError(f"{adapter_dir}: no adapter_config.json naming its base; pass --reward_base")
     return adapter_base(adapter_dir)
@@ -57,16 +65,6 @@ def reward_base_of(adapter_dir) -> str:
 def main(argv: list[str] | None = None) -> dict:
     import json
     import pathlib
-
-    from marlhf_edu.keyword_judge import KeywordJudge, NoRequestFits
-    from marlhf_edu.models import (REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR, load_reward_model, load_sft_model,
-                                   load_tokenizer, loading_kwargs)
-    from marlhf_edu.ppo import ScoredPolicy
-    from marlhf_edu.ppo.backends import check_same_vocabulary, quiet_loading
-    from marlhf_edu.ppo.multi_adapter import check_reward_head
-    from marlhf_edu.sources import local_path, require_adapter_folder
-    from marlhf_edu.stages.common import parse_stage_args
-    from marlhf_edu.stages.ppo import judge_policy
 
     (args,) = parse_stage_args((EvaluateArguments,), argv)
     if args.judge not in JUDGES:
@@ -93,8 +91,6 @@ def main(argv: list[str] | None = None) -> dict:
     if judge == "auto":
         judge = "toy" if tokenizer.get_vocab() == load_tokenizer(TOKENIZER_DIR).get_vocab() else "keyword"
     if judge == "toy":
-        from marlhf_edu.toyworld import ToyWorld
-
         world = ToyWorld()
     else:
         try:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from marlhf_edu.data.template import template_for
 from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.generation import generate_responses
+from marlhf_edu.loading.models import load_sft_model, loading_kwargs
+from marlhf_edu.training.args import parse_stage_args
 
 
 @dataclass
@@ -29,11 +33,6 @@ class GenerateArguments:
 
 
 def main(argv: list[str] | None = None) -> list[str]:
-    from marlhf_edu.data.template import template_for
-    from marlhf_edu.generation import generate_responses
-    from marlhf_edu.models import load_sft_model, loading_kwargs
-    from marlhf_edu.stages.common import parse_stage_args
-
     (args,) = parse_stage_args((GenerateArguments,), argv)
     if not args.prompt:
         raise ConfigError("generate needs at least one --prompt")

@@ -18,7 +18,14 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass, field
 
+from marlhf_edu.data.keyword_judge import BENIGN_QUESTIONS
+from marlhf_edu.data.template import template_for
 from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.device import resolve_device
+from marlhf_edu.loading.models import loading_kwargs
+from marlhf_edu.loading.quiet import quiet_loading
+from marlhf_edu.loading.sources import ModelSource, adapter_base, adapter_fits, align_pad, load_tokenizer, resolve_model
+from marlhf_edu.training.args import parse_stage_args
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -38,9 +45,6 @@ class MergeArguments:
 
 
 def _sample_batch(tokenizer, n: int):
-    from marlhf_edu.data.template import template_for
-    from marlhf_edu.keyword_judge import BENIGN_QUESTIONS
-
     template = template_for(tokenizer)
     texts = [template.dialogue([(q, None)]) + template.completion(answers[0].capitalize() + ".")
              for q, answers in BENIGN_QUESTIONS[:n]]
@@ -51,8 +55,6 @@ def merge_inputs(adapter: pathlib.Path) -> set[pathlib.Path]:
     """Every local folder or file a merge of `adapter` reads: the adapter, the base it records wherever that
     reference points (`zoo`, `zoo/NAME`, a shipped GGUF, a path), and that base's own base when it is an adapter
     too (an SFT adapter under a policy adapter). A hub base is downloaded to the hub's cache, not read in place."""
-    from marlhf_edu.sources import ModelSource, adapter_base
-
     found = {adapter.resolve()}
     source = ModelSource.parse(adapter_base(adapter))
     while source.kind != "hub":
@@ -74,10 +76,6 @@ def merge(args: MergeArguments) -> dict:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from marlhf_edu.models import loading_kwargs, resolve_device
-    from marlhf_edu.ppo.backends import quiet_loading
-    from marlhf_edu.sources import adapter_base, adapter_fits, align_pad, load_tokenizer, resolve_model
 
     if not args.adapter or not args.output_dir:
         raise ConfigError("merge needs --adapter and --output_dir")
@@ -150,7 +148,5 @@ def merge(args: MergeArguments) -> dict:
 
 
 def main(argv: list[str] | None = None):
-    from marlhf_edu.stages.common import parse_stage_args
-
     (args,) = parse_stage_args((MergeArguments,), argv)
     return merge(args)

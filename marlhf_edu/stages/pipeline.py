@@ -34,166 +34,20 @@ import pathlib
 import sys
 import time
 
-from marlhf_edu.cpu_products import fp32_products_where_needed
-from marlhf_edu.errors import ConfigError
+from marlhf_edu.data.formats import load_preferences, load_sft
+from marlhf_edu.data.prompts import load_prompts
+from marlhf_edu.errors import BadRowError, ConfigError, DataFileError
+from marlhf_edu.loading.cpu_products import fp32_products_where_needed
+from marlhf_edu.loading.sources import resolve_model
+from marlhf_edu.training.pipeline_file import Stage, load_pipeline, wire
+from marlhf_edu.training.runs import FINISHED_RUN_FILES, trl_checkpoint_problem, unwritable_folder
 
-#: stage name → (module with `main(argv)`, the kind of config it parses: `_config_types`)
-STAGES = {
-    "sft": ("marlhf_edu.stages.sft", "sft"),
-    "rm": ("marlhf_edu.stages.reward", "rm"),
-    "ppo": ("marlhf_edu.stages.ppo", "ppo"),
-    "ma-ppo": ("marlhf_edu.stages.ma_ppo", "ppo"),
-}
+
 MARKER = "pipeline_stage.json"
 #: Written into a trl stage's output_dir when the pipeline starts it: the folder is the pipeline's own from then on,
 #: so a run killed after saving its model but before `MARKER` is restarted (`--overwrite_output`), while a folder
 #: holding another finished model, which the pipeline never started, is refused (`foreign_run`).
 STARTED = "pipeline_stage.started"
-
-
-def _config_types(kind: str):
-    if kind == "ppo":
-        from marlhf_edu.ppo import PPOConfig
-
-        return (PPOConfig,)
-    from trl import ModelConfig
-
-    if kind == "sft":
-        from trl import SFTConfig
-
-        from marlhf_edu.stages.sft import SFTScriptArguments
-
-        return (SFTScriptArguments, SFTConfig, ModelConfig)
-    from trl import RewardConfig
-
-    from marlhf_edu.stages.reward import RMScriptArguments
-
-    return (RMScriptArguments, RewardConfig, ModelConfig)
-
-
-def _as_argv(overrides: dict) -> list[str]:
-
-    argv = []
-    for key, value in overrides.items():
-        if value is None:
-            raise ConfigError(f"override {key}: null cannot be passed on; set it in the stage's own config")
-        if isinstance(value, (list, tuple)):
-            argv += [f"--{key}", *map(str, value)]
-        elif isinstance(value, bool):
-            argv += [f"--{key}", "true" if value else "false"]
-        else:
-            argv += [f"--{key}", str(value)]
-    return argv
-
-
-def split_cli(argv: list[str], names) -> tuple[dict[str, list[str]], list[str]]:
-    """`--STAGE.KEY V...` → {STAGE: ["--KEY", "V", ...]}; the rest is returned for the pipeline's own options."""
-
-    per_stage, rest, current = {}, [], None
-    for token in argv:
-        if token.startswith("--") and "." in token:
-            stage, key = token[2:].split(".", 1)
-            if stage not in names:
-                raise ConfigError(f"{token}: no stage {stage!r} in this pipeline (its stages: {', '.join(names)})")
-            current = per_stage.setdefault(stage, [])
-            current.append(f"--{key}")
-        elif token.startswith("--"):
-            current = rest
-            rest.append(token)
-        elif current is None:
-            raise ConfigError(f"pipeline: unexpected argument {token!r}")
-        else:
-            current.append(token)
-    return per_stage, rest
-
-
-class Stage:
-    """One stage of a pipeline: its name, command, config file and the argv it runs with."""
-
-    def __init__(self, name: str, config: str, argv: list[str]):
-        self.name, self.config, self.argv = name, config, argv
-        self.module, self.kind = STAGES[name]
-
-    def parse(self):
-        from marlhf_edu.stages.common import parse_stage_args
-
-        parsed = parse_stage_args(_config_types(self.kind), ["--config", self.config, *self.argv])
-        if self.kind == "ppo":
-            parsed[0].validate()
-        return parsed
-
-    def output_dir(self, parsed) -> pathlib.Path:
-        """Where the stage writes: `output_dir` of its PPOConfig, or of its trl training arguments."""
-        return pathlib.Path(parsed[0 if self.kind == "ppo" else 1].output_dir)
-
-    def set(self, key: str, value: str) -> None:
-        self.argv += [f"--{key}", value]
-
-
-def load_pipeline(path: str, cli: list[str]) -> tuple[list[Stage], list[str]]:
-    """The stages of pipeline file `path` with the file's and the command line's overrides, and the remaining
-    command-line options."""
-    import yaml
-
-    from marlhf_edu.stages.common import config_text
-
-    try:
-        spec = yaml.safe_load(config_text(path, "pipeline file")) or {}
-    except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        raise ConfigError(f"{path}{f', line {where.line + 1}' if where else ''}: not valid YAML "
-                          f"({getattr(err, 'problem', None) or err})") from None
-    if not isinstance(spec, dict):
-        raise ConfigError(f"{path}: a pipeline file is a mapping with 'stages' (and optionally 'overrides'), "
-                          f"not a {type(spec).__name__}")
-    unknown = set(spec) - {"stages", "overrides"}
-    if unknown or not isinstance(spec.get("stages"), dict) or not spec["stages"]:
-        raise ConfigError(f"{path}: a pipeline file has a 'stages' mapping (stage: config file) and optionally "
-                          f"'overrides'; got keys {sorted(spec)}")
-    names = list(spec["stages"])
-    bad = [n for n in names if n not in STAGES]
-    if bad:
-        raise ConfigError(f"{path}: unknown stage(s) {bad}; stages are {', '.join(STAGES)}")
-    if sum(n in ("ppo", "ma-ppo") for n in names) > 1:
-        raise ConfigError(f"{path}: one PPO stage per pipeline (ppo or ma-ppo)")
-    order = [n for n in STAGES if n in names]
-    if names != order:
-        raise ConfigError(f"{path}: stages run in the order sft, rm, ppo/ma-ppo; got {names}")
-    file_overrides = spec.get("overrides") or {}
-    if not isinstance(file_overrides, dict) or any(not isinstance(v, (dict, type(None))) for v in file_overrides.values()):
-        raise ConfigError(f"{path}: 'overrides' maps each stage to its keys and values (sft: {{max_steps: 10}}); "
-                          f"got {file_overrides!r}")
-    bad_config = [n for n in names if not isinstance(spec["stages"][n], str)]
-    if bad_config:
-        raise ConfigError(f"{path}: stage(s) {bad_config} need a config file path, as in 'sft: configs/tiny_sft.yaml'")
-    extra = set(file_overrides) - set(names)
-    if extra:
-        raise ConfigError(f"{path}: overrides for stage(s) {sorted(extra)} that the pipeline does not run")
-    per_stage, rest = split_cli(cli, names)
-    stages = [Stage(n, str(spec["stages"][n]), _as_argv(file_overrides.get(n) or {}) + per_stage.get(n, []))
-              for n in names]
-    return stages, rest
-
-
-def wire(stages: list[Stage]) -> dict[str, str]:
-    """Point each stage at the outputs of the stages before it; returns {"stage.key": path} of what was set."""
-    by_name = {s.name: s for s in stages}
-    outputs = {s.name: str(s.output_dir(s.parse())) for s in stages}
-    wiring = {}
-    if "sft" in by_name and "rm" in by_name:
-        wiring["rm.model_name_or_path"] = outputs["sft"]
-    for ppo in ("ppo", "ma-ppo"):
-        if ppo in by_name:
-            if "sft" in by_name:
-                wiring[f"{ppo}.sft_model_path"] = outputs["sft"]
-                if ppo == "ppo":  # four models: the reward adapter's base is loaded on its own
-                    wiring["ppo.reward_base_path"] = outputs["sft"]
-            if "rm" in by_name:
-                wiring[f"{ppo}.reward_adapter_path"] = outputs["rm"]
-    for target, value in wiring.items():
-        name, key = target.split(".", 1)
-        by_name[name].set(key, value)
-    return wiring
 
 
 def resume_argv(stage: Stage, out: pathlib.Path, log=print) -> list[str]:
@@ -204,7 +58,6 @@ def resume_argv(stage: Stage, out: pathlib.Path, log=print) -> list[str]:
         return ["--resume", "true"] if (out / "metrics.jsonl").exists() or (out / "checkpoints").exists() else []
     checkpoints = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1])
                          if p.name.split("-")[-1].isdigit() else -1)
-    from marlhf_edu.stages.common import trl_checkpoint_problem
 
     for folder in reversed(checkpoints):
         problem = trl_checkpoint_problem(folder)
@@ -218,9 +71,6 @@ def run_pipeline(stages: list[Stage], only: list[str] | None = None, log=print, 
     """Run the stages (all, or those named in `only`), skipping finished ones; one record per stage. `log`
     receives the pipeline's own lines; `progress=False` turns off the PPO stage's progress bar."""
     import importlib
-
-    from marlhf_edu.sources import resolve_model
-    from marlhf_edu.stages.common import unwritable_folder
 
     for name in only or []:
         if name not in {s.name for s in stages}:
@@ -292,8 +142,6 @@ def foreign_run(out: pathlib.Path) -> str | None:
     pipeline began this stage there) or `checkpoint-N` folders (resumed, never replaced). The pipeline passes
     `--overwrite_output` to the stages it restarts, which bypassed the refusal a stage gives alone: a folder
     holding another model, named by mistake, was overwritten."""
-    from marlhf_edu.stages.common import FINISHED_RUN_FILES
-
     if (out / STARTED).exists() or any(out.glob("checkpoint-*")):
         return None
     return next((name for name in FINISHED_RUN_FILES if (out / name).exists()), None)
@@ -308,8 +156,6 @@ def check_stage_data(name: str, parsed) -> None:
     its rows as the stage will (`stage_rows`), before the pipeline runs anything: a missing file, or one whose rows
     have the wrong keys (a reward-model file in another format), is found now, not after the SFT and reward-model
     stages have trained (hours at 7B). Hub datasets and the shipped ones are read by the stage."""
-    from marlhf_edu.errors import BadRowError, DataFileError
-
     for args in parsed:
         for key in DATA_KEYS:
             value = getattr(args, key, "")
@@ -328,8 +174,6 @@ def stage_rows(args, key: str, path: str) -> None:
     import copy
     import warnings
 
-    from marlhf_edu.data.formats import load_preferences, load_sft
-
     with warnings.catch_warnings():  # rows skip_bad_rows skips are reported by the stage, when it reads them
         warnings.simplefilter("ignore")
         if key == "extra_pairs_file":
@@ -337,8 +181,6 @@ def stage_rows(args, key: str, path: str) -> None:
         elif key == "extra_rows_file":
             load_sft(path, "prompt-completion")
         elif hasattr(args, "total_steps"):  # a PPO config: its prompts (without the tokenizer's length filter)
-            from marlhf_edu.stages.ppo import load_prompts
-
             config = copy.copy(args)
             config.drop_long_prompts, config.max_prompts, config.helpful_prompt_share = False, 0, 0.0
             load_prompts(config)
@@ -379,7 +221,6 @@ def release_memory() -> None:
 
 
 def main(argv: list[str] | None = None):
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # the module's docstring is the command's help
         print("usage: " + __doc__.split("\n\n", 2)[1].strip() + "\n\n" + __doc__.split("\n\n", 2)[2])

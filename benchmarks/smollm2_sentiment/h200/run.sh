@@ -14,7 +14,7 @@ mkdir -p runs/smollm2; [ -d runs/smollm2/sentiment_rm ] || cp -r .gg3/sentiment_
 export PYTHONPATH=${WHL-$ROOTDIR/.whl/min}:/tmp/site:$ROOTDIR MARLHF_EDU_CACHE=/tmp/cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 -c "
 import time, warnings; warnings.simplefilter('ignore'); t = time.time()
-from marlhf_edu.sources import resolve_model
+from marlhf_edu.loading.sources import resolve_model
 print('SFT model resolved to', resolve_model('zoo/smollm2_sft_adapter'), 'in', round(time.time() - t, 1), 's')" 2>&1 | tail -3
 for b in $BETAS; do
   OMP_NUM_THREADS=2 timeout $LIMIT python3 tools/bench_smollm2.py --config configs/smollm2/sentiment_ppo.yaml --seed 0 \
