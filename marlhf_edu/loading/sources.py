@@ -41,7 +41,7 @@ import shutil
 from dataclasses import dataclass
 
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.loading.assets import ASSETS, SFT_DIR, TOKENIZER_DIR
+from marlhf_edu.loading.assets import ASSETS, REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR
 from marlhf_edu.loading.model_cache import cache_dir, file_sha256, publish
 from marlhf_edu.loading.quiet import no_progress_bar, quiet_loading
 
@@ -80,7 +80,7 @@ class ModelSource:
                 raise ConfigError(f"model {ref!r}: a hub model is written hf:owner/name or hf:owner/name@revision")
             return cls("hub", ref, repo, revision or None)
         if ref == "zoo":
-            return cls("zoo", ref, str(SFT_DIR))
+            return cls("zoo", ref, resolve_zoo(ref))
         if ref.startswith("zoo/"):
             path = ASSETS / ref[len("zoo/"):]
             if not path.exists():
@@ -527,7 +527,7 @@ def readable_checkpoint(ref, depth: int = 0) -> pathlib.Path | None:
 def same_model_path(a, b) -> bool:
     """Whether two model references name the same model: equal strings, or paths to the same directory
     (`zoo` and `zoo/<name>` read as the shipped folders they stand for)."""
-    a, b = (str(SFT_DIR) if str(x) == "zoo" else str(x) for x in (a, b))
+    a, b = resolve_zoo(a), resolve_zoo(b)
     if a == b:
         return True
     pa, pb = local_path(a), local_path(b)
@@ -553,6 +553,16 @@ def record_base(output_dir, model_ref: str) -> None:
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def resolve_zoo(path: str, shipped) -> str:
-    """`zoo` stands for the shipped tiny model (or adapter) `shipped`; any other path is kept as given."""
-    return str(shipped) if path == "zoo" else path
+#: What `zoo` stands for in each role a config names a model in: the shipped tiny SFT model, or the reward adapter
+#: trained on it.
+ZOO_ROLES = ("model", "reward_adapter")
+
+
+def resolve_zoo(ref, role: str = "model") -> str:
+    """The one reading of `zoo`: the shipped tiny SFT model (`role="model"`) or its reward adapter
+    (`role="reward_adapter"`); any other reference is returned as written (as a string)."""
+    if role not in ZOO_ROLES:
+        raise ValueError(f"role must be one of {ZOO_ROLES}, got {role!r}")
+    if str(ref) != "zoo":
+        return str(ref)
+    return str(SFT_DIR if role == "model" else REWARD_ADAPTER_DIR)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.loading.assets import SFT_DIR
-from marlhf_edu.loading.sources import readable_checkpoint, resolve_model
+from marlhf_edu.loading.sources import readable_checkpoint, resolve_model, resolve_zoo
 from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -106,8 +106,9 @@ class ModelShape:
     @classmethod
     def resolve(cls, name_or_path: str) -> "ModelShape":
         """A preset name ('llama-2-7b', 'tiny', a known hub id) or a directory / config.json on disk."""
-        if name_or_path in ("zoo", "tiny"):
-            name_or_path = str(SFT_DIR)
+        if name_or_path == "tiny":  # the planner's name for the shipped tiny model
+            name_or_path = "zoo"
+        name_or_path = resolve_zoo(name_or_path)
         if name_or_path in PRESETS:
             return PRESETS[name_or_path]
         path = pathlib.Path(name_or_path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
+from marlhf_edu.loading.sources import resolve_zoo
 from marlhf_edu.memory.plan import MemorySettings, ModelShape, saved_lora_recipe
 
 
@@ -27,7 +27,7 @@ def settings_and_shape(config, args: MemoryArguments):
     shape = ModelShape.resolve(args.model_shape or config.sft_model_path)
     r, targets = args.reward_lora_r, list(args.reward_target_modules)
     if not r or not targets:
-        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+        adapter = resolve_zoo(config.reward_adapter_path, "reward_adapter")
         saved = saved_lora_recipe(adapter)
         if saved is None and not r:
             raise ConfigError(f"reward adapter {adapter} not found: pass --reward_lora_r (and "

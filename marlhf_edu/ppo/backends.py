@@ -29,10 +29,9 @@ from torch import nn
 
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.loading.adapters import check_pad_token, check_reward_adapter_base, check_same_vocabulary
-from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
 from marlhf_edu.loading.models import load_reward_model
 from marlhf_edu.loading.quiet import quiet_loading
-from marlhf_edu.loading.sources import align_pad, load_tokenizer, local_path, resolve_model
+from marlhf_edu.loading.sources import align_pad, load_tokenizer, local_path, resolve_model, resolve_zoo
 from marlhf_edu.math.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.math.scoring import position_ids_from_mask, sequence_scores
 from marlhf_edu.ppo.checkpointing import checkpointed, enable_checkpointing
@@ -257,8 +256,8 @@ class FourModelBackend(PPOBackend):
     def _from_config(cls, config) -> "FourModelBackend":
         from transformers import AutoModel, AutoModelForCausalLM
 
-        sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
-        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
+        sft = resolve_zoo(config.sft_model_path)
+        adapter = local_path(resolve_zoo(config.reward_adapter_path, "reward_adapter"))
         if not config.reward_base_path:  # before anything loads
             check_reward_adapter_base(adapter, sft)
         device = config.resolved_device

@@ -32,11 +32,10 @@ import torch
 
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.loading.adapters import check_pad_token, check_reward_adapter_base, load_score_head
-from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
 from marlhf_edu.loading.quantization import keep_nf4_trainable, nf4_loading_kwargs
 from marlhf_edu.loading.quiet import quiet_loading
 from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer, local_path, resolve_model,
-                                        same_model_path)
+                                        resolve_zoo, same_model_path)
 from marlhf_edu.math.masked import last_valid_index
 from marlhf_edu.math.scoring import position_ids_from_mask
 from marlhf_edu.ppo.backends import PPOBackend, response_logprobs, response_values, sample, value_head
@@ -93,15 +92,14 @@ class MultiAdapterBackend(PPOBackend):
     def from_config(cls, config) -> "MultiAdapterBackend":
         from transformers import AutoModelForCausalLM
 
-
         if config.critic != "separate":
             raise ConfigError(f"critic: {config.critic} is a four-model option; multi-adapter PPO picks its critic with "
                               "value_mode ('shared': a head on the policy adapter, 'adapter': its own LoRA)")
         if config.merged_reward:
             raise ConfigError("merged_reward is a four-model option: multi-adapter PPO's reward adapter shares the "
                               "policy's base, so it cannot be merged into it")
-        sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
-        adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else local_path(config.reward_adapter_path)
+        sft = resolve_zoo(config.sft_model_path)
+        adapter = local_path(resolve_zoo(config.reward_adapter_path, "reward_adapter"))
         if not config.reward_base_path:
             check_reward_adapter_base(adapter, sft)
         elif not same_model_path(config.reward_base_path, sft):

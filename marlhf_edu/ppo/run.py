@@ -21,8 +21,8 @@ from marlhf_edu.data.template import template_for
 from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
 from marlhf_edu.errors import ConfigError, DataFileError
 from marlhf_edu.loading.adapters import check_reward_head, check_same_vocabulary
-from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
-from marlhf_edu.loading.sources import load_tokenizer, record_base, require_adapter_folder, same_model_path
+from marlhf_edu.loading.sources import (load_tokenizer, record_base, require_adapter_folder, resolve_zoo,
+                                        same_model_path)
 from marlhf_edu.ppo.backends import FourModelBackend
 from marlhf_edu.ppo.distributed import DataParallel
 from marlhf_edu.ppo.judging import evaluation_judge, judge_policy, periodic_evaluation
@@ -121,9 +121,9 @@ def check_before_loading(config, backend_factory=None) -> tuple[list[str], objec
     if backend_factory is None and config.merged_rollout and config.actor_lora_r == 0:
         raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor already "
                           "samples from dense weights")
-    adapter = REWARD_ADAPTER_DIR if config.reward_adapter_path == "zoo" else config.reward_adapter_path
+    adapter = resolve_zoo(config.reward_adapter_path, "reward_adapter")
     require_adapter_folder(adapter, "reward_adapter_path")
-    sft = SFT_DIR if config.sft_model_path == "zoo" else config.sft_model_path
+    sft = resolve_zoo(config.sft_model_path)
     check_reward_head(adapter, config.reward_base_path or sft)
     tokenizer = load_tokenizer(sft)
     if config.reward_base_path and not same_model_path(config.reward_base_path, sft):  # a reward model on its own base

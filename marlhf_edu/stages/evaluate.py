@@ -23,10 +23,10 @@ from marlhf_edu.data.keyword_judge import KeywordJudge, NoRequestFits
 from marlhf_edu.data.toyworld import ToyWorld
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.loading.adapters import check_reward_head, check_same_vocabulary
-from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR, TOKENIZER_DIR
+from marlhf_edu.loading.assets import TOKENIZER_DIR
 from marlhf_edu.loading.models import load_reward_model, load_sft_model, loading_kwargs
 from marlhf_edu.loading.quiet import quiet_loading
-from marlhf_edu.loading.sources import adapter_base, load_tokenizer, local_path, require_adapter_folder
+from marlhf_edu.loading.sources import adapter_base, load_tokenizer, local_path, require_adapter_folder, resolve_zoo
 from marlhf_edu.ppo.backends import ScoredPolicy
 from marlhf_edu.ppo.judging import judge_policy
 from marlhf_edu.training.args import parse_stage_args
@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
         raise ConfigError("--repeats, --prompts and --max_new_tokens must be >= 1 and --temperature > 0")
     loading = loading_kwargs(args.device, args.dtype, args.load_in_4bit)  # bad --device/--dtype: before loading
-    adapter = REWARD_ADAPTER_DIR if args.reward_adapter == "zoo" else local_path(args.reward_adapter)
-    require_adapter_folder(args.reward_adapter if args.reward_adapter != "zoo" else adapter, "--reward_adapter")
-    check_reward_head(args.reward_adapter if args.reward_adapter != "zoo" else adapter, args.reward_base or None,
-                      key="--reward_adapter")
+    reward_adapter = resolve_zoo(args.reward_adapter, "reward_adapter")
+    adapter = local_path(reward_adapter)
+    require_adapter_folder(reward_adapter, "--reward_adapter")
+    check_reward_head(reward_adapter, args.reward_base or None, key="--reward_adapter")
     if args.output_dir:  # a folder it cannot write is found now, not after every answer was generated
         out = pathlib.Path(args.output_dir)
         try:
@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"--output_dir {out} cannot be written ({err.strerror})") from None
         if not os.access(out, os.W_OK):
             raise ConfigError(f"--output_dir {out} cannot be written (permission denied)")
-    reward_base = args.reward_base or (str(SFT_DIR) if args.reward_adapter == "zoo" else reward_base_of(adapter))
+    # the shipped adapter goes on the shipped SFT model (`zoo` in both roles); any other on the base it records
+    reward_base = args.reward_base or (resolve_zoo(args.reward_adapter) if args.reward_adapter == "zoo"
+                                       else reward_base_of(adapter))
     # the judge and its held-out requests come from the tokenizer alone: a limit no request fits is found now
     tokenizer = load_tokenizer(args.model)
     judge = args.judge

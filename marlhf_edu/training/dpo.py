@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from marlhf_edu.loading.assets import SFT_DIR
 from marlhf_edu.loading.sources import load_tokenizer, resolve_zoo
 from marlhf_edu.training.args import DataArguments
 from marlhf_edu.training.policy import (PolicyEvalArguments, check_reward_before_loading, check_reward_vocabulary,
@@ -36,7 +35,7 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     scored = script_args.dataset_name == "toy" and script_args.eval_repeats  # the evaluation after training
     if scored:
         check_reward_before_loading(script_args)
-    tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
+    tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path))
     if scored:
         check_reward_vocabulary(script_args, tokenizer)
     if dataset is None:  # max_tokens and max_rows, reported, as in the reward-model stage

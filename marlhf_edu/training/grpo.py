@@ -22,7 +22,6 @@ from marlhf_edu.data.prompts import load_prompts
 from marlhf_edu.data.template import format_completion
 from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
 from marlhf_edu.loading.models import load_reward_model
 from marlhf_edu.loading.quiet import quiet_loading
 from marlhf_edu.loading.sources import load_tokenizer, resolve_zoo
@@ -107,7 +106,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     scored = script_args.reward == "reward_model" or (toy and script_args.eval_repeats)  # before training, not after
     if scored:
         check_reward_before_loading(script_args)
-    tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path, SFT_DIR))
+    tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path))
     if scored:
         check_reward_vocabulary(script_args, tokenizer)
     texts = load_prompts(script_args, tokenizer)  # rendered with the policy's own chat template
@@ -126,8 +125,8 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     funcs, weights = [], []
     if script_args.reward == "reward_model":
         with quiet_loading():
-            rm, _ = load_reward_model(resolve_zoo(script_args.reward_base_path, SFT_DIR),
-                                      resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR))
+            rm, _ = load_reward_model(resolve_zoo(script_args.reward_base_path),
+                                      resolve_zoo(script_args.reward_adapter_path, "reward_adapter"))
         funcs.append(RewardModelReward(rm.to(model.device), tokenizer, script_args.missing_eos_penalty))
         weights.append(1.0)
     if toy:

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.loading.adapters import check_reward_adapter_base, check_reward_head, check_same_vocabulary
-from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR, SFT_DIR
 from marlhf_edu.loading.quantization import keep_nf4_trainable
 from marlhf_edu.loading.sources import load_tokenizer, require_adapter_folder, resolve_zoo
 from marlhf_edu.ppo.judging import evaluate_trained_policy
@@ -49,7 +48,7 @@ def load_policy(model_args):
     """The SFT model to train (`zoo` = the shipped tiny one) and its tokenizer, optionally 4-bit."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_zoo(model_args.model_name_or_path, SFT_DIR)
+    path = resolve_zoo(model_args.model_name_or_path)
     kwargs = quantization_and_device_map(model_args)
     if torch_dtype(model_args) is not None:
         kwargs["dtype"] = torch_dtype(model_args)
@@ -79,8 +78,8 @@ def evaluate_after(trainer, tokenizer, script_args, training_args) -> dict:
 
     return evaluate_trained_policy(
         trainer.model, tokenizer, toy_seed=script_args.toy_seed,
-        reward_base=resolve_zoo(script_args.reward_base_path, SFT_DIR),
-        reward_adapter=resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR),
+        reward_base=resolve_zoo(script_args.reward_base_path),
+        reward_adapter=resolve_zoo(script_args.reward_adapter_path, "reward_adapter"),
         repeats=script_args.eval_repeats, max_new_tokens=script_args.eval_max_new_tokens,
         seed=1000 + training_args.seed, output_dir=training_args.output_dir)
 
@@ -91,8 +90,8 @@ def check_reward_before_loading(script_args) -> None:
     score head that fits the width of `reward_base_path`, trained on that base (the base its
     `adapter_config.json` records; a `reward_base_path` other than `zoo` says it belongs there under another name,
     as in PPO). `check_reward_vocabulary` follows once the policy's tokenizer is loaded."""
-    adapter = resolve_zoo(script_args.reward_adapter_path, REWARD_ADAPTER_DIR)
-    base = resolve_zoo(script_args.reward_base_path, SFT_DIR)
+    adapter = resolve_zoo(script_args.reward_adapter_path, "reward_adapter")
+    base = resolve_zoo(script_args.reward_base_path)
     require_adapter_folder(adapter, "reward_adapter_path")
     check_reward_head(adapter, base)  # the base it goes on
     if script_args.reward_base_path == "zoo":
@@ -102,4 +101,4 @@ def check_reward_before_loading(script_args) -> None:
 def check_reward_vocabulary(script_args, tokenizer) -> None:
     """The reward model reads the policy's vocabulary (`tokenizer`), compared from the tokenizers alone: a scorer
     fed another vocabulary's ids returns numbers, not an error."""
-    check_same_vocabulary(tokenizer, load_tokenizer(resolve_zoo(script_args.reward_base_path, SFT_DIR)))
+    check_same_vocabulary(tokenizer, load_tokenizer(resolve_zoo(script_args.reward_base_path)))
