@@ -470,9 +470,9 @@ def choose_pad_token(tokenizer) -> str | None:
 
 
 def load_tokenizer(ref=TOKENIZER_DIR):
-    """The tokenizer of any model reference, (default: the toy tokenizer) with pad ≠ EOS (see `choose_pad_token`) and a finite `model_max_length`."""
+    """The tokenizer of any model reference (by default the toy tokenizer), with pad ≠ EOS (see `choose_pad_token`)
+    and a finite `model_max_length`."""
     from transformers import AutoTokenizer
-
 
     path = local_path(ref)
     # a directory with its own tokenizer (the toy tokenizer, an SFT adapter saved by trl) is read as is: no need
