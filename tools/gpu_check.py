@@ -666,7 +666,7 @@ def part_stages(args, built) -> dict:
 PIPELINE_RUNNER = """
 import importlib, json, sys, time, torch
 sys.path.insert(0, {root!r})
-from marlhf_edu.stages.pipeline import STAGES
+from marlhf_edu.training.pipeline_file import STAGES
 seen = []
 for name, (module_name, kind) in [(k, v) for k, v in STAGES.items() if k != "ppo"]:  # the 7B pipeline: sft, rm, ma-ppo
     module = importlib.import_module(module_name)
