@@ -2,15 +2,7 @@
 
     marlhf-edu grpo --config configs/tiny_grpo.yaml [--key value ...]
 
-Each prompt is answered `num_generations` times; each answer's advantage is its reward relative to its
-group's (`marlhf_edu.math.grpo.group_relative_advantages`), and the KL to the reference is a k3 loss term
-(`marlhf_edu.math.grpo.grpo_loss`); a test pins trl's numbers against both. With a LoRA the reference is the
-base with the adapter disabled (the GRPO-LoRA design: one backbone for actor and reference, as MA-PPO).
-
-The reward (`reward: reward_model`) is the frozen reward adapter's score of prompt + answer, read as PPO
-reads it, with the same missing-EOS penalty; `reward: gold` trains on the toy world's judge instead. On
-toy data the judge is also passed with weight 0, so trl logs it (`rewards/gold/mean`) without optimising
-it, as PPO's `gold_reward_fn` does (chapter 11).
+The work is `marlhf_edu.training.grpo.run_grpo` (its docstring says what the stage does and why).
 
 Taught in chapter 12.
 """

@@ -2,11 +2,7 @@
 
     marlhf-edu rm --config configs/tiny_rm.yaml [--key value ...]
 
-The reward model is `AutoModelForSequenceClassification(num_labels=1)` built
-from the SFT model: its new scalar `score` head starts random, so it must be
-trained in full (`lora_modules_to_save: [score]`) while LoRA adapts the
-backbone. The loss is Bradley–Terry with the pair's margin (trl reads the
-`margin` column). `load_in_4bit` makes it QLoRA with no other change.
+The work is `marlhf_edu.training.reward.run_rm` (its docstring says what the stage does and why).
 
 Taught in chapter 08.
 """
