@@ -5,6 +5,7 @@ raises, so a check that comes too late fails the test with an AssertionError ins
 import pathlib
 
 import pytest
+import torch
 
 from marlhf_edu.errors import ConfigError, DataFileError
 
@@ -16,7 +17,7 @@ def ppo(argv, multi_adapter=False):
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
     from marlhf_edu.stages.ppo import main
 
-    return main(argv, backend_factory=MultiAdapterBackend.from_config if multi_adapter else None, progress=False)
+    return main(argv, backend_factory=MultiAdapterBackend if multi_adapter else None, progress=False)
 
 
 def test_ppo_refuses_an_unknown_tracker_before_loading_or_writing(tmp_path, no_loading):
@@ -400,6 +401,61 @@ def test_a_reward_adapter_without_a_fitting_score_head_is_refused_before_loading
             ppo([*TINY_PPO, "--output_dir", str(tmp_path / f"run_{name}"), "--reward_adapter_path", str(adapter)],
                 multi_adapter=multi_adapter)
         assert not (tmp_path / f"run_{name}").exists()
+
+
+@pytest.mark.parametrize("multi_adapter", [False, True])
+def test_a_run_resolves_and_checks_its_reward_adapter_once_and_builds_with_it(tmp_path, monkeypatch, multi_adapter):
+    """`reward_adapter_path` is resolved and checked once, before loading (`RewardAdapter.resolve`: the folder, the
+    score head's header, the base it records), and the backend is built from that object, not from the reference
+    again. A multi-adapter run's reward head is the adapter file's, read by the key the check found."""
+    from safetensors.torch import load_file
+
+    from marlhf_edu.loading import adapters
+    from marlhf_edu.ppo import run as ppo_run
+
+    calls = {}
+
+    def counted(name, original):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in ("check_reward_head", "check_reward_adapter_base", "adapter_base"):
+        monkeypatch.setattr(adapters, name, counted(name, getattr(adapters, name)))
+    monkeypatch.setattr(adapters.RewardAdapter, "resolve",
+                        classmethod(counted("resolve", adapters.RewardAdapter.resolve.__func__)))
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def trainer(backend, *args, **kwargs):  # the backend is built: stop before training
+        built["backend"] = backend
+        raise Built
+
+    monkeypatch.setattr(ppo_run, "PPOTrainer", trainer)
+    with pytest.raises(Built):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--load_in_4bit", "false"], multi_adapter=multi_adapter)
+    assert calls == {"resolve": 1, "check_reward_head": 1, "check_reward_adapter_base": 1, "adapter_base": 1}
+    if multi_adapter:
+        from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
+
+        state = load_file(str(REWARD_ADAPTER_DIR / "adapter_model.safetensors"))
+        (head,) = [v for k, v in state.items() if ".score." in k]
+        assert torch.equal(built["backend"].reward_head.weight.detach(), head)
+
+
+def test_multi_adapter_ppo_refuses_a_reward_base_other_than_its_own_before_loading(tmp_path, no_loading):
+    import shutil
+
+    from marlhf_edu.loading.assets import SFT_DIR
+
+    other = tmp_path / "other_base"
+    shutil.copytree(SFT_DIR, other)
+    with pytest.raises(ConfigError, match="reward_base_path=.*differs from sft_model_path"):
+        ppo([*TINY_PPO, "--output_dir", str(tmp_path / "run"), "--reward_base_path", str(other)], multi_adapter=True)
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_stage_that_scores_with_a_reward_adapter_checks_its_head_before_loading(tmp_path, no_loading,

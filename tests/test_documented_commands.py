@@ -186,13 +186,16 @@ def without(argv: list[str], name: str, values: int = 1) -> list[str]:
 
 
 def stop_at(monkeypatch, module: str, name: str, wrap=None):
-    """Replace `module.name` by a function that raises `Reached` (after calling `wrap(*args)` when given)."""
+    """Replace `module.name` (or `module.Class.method` for a `name` with a dot) by a function that raises `Reached`
+    (after calling `wrap(*args)` when given)."""
     def stop(*args, **kwargs):
         if wrap is not None:
             wrap(*args, **kwargs)
         raise Reached(f"{module}.{name}")
 
-    monkeypatch.setattr(importlib.import_module(module), name, stop)
+    owner, _, attribute = name.rpartition(".")
+    target = importlib.import_module(module)
+    monkeypatch.setattr(getattr(target, owner) if owner else target, attribute, stop)
 
 
 def cli_until_reached(command: Command, argv: list[str], capsys) -> None:
@@ -243,12 +246,12 @@ def check_ppo(command, argv, world_size, tmp_path, monkeypatch, capsys):
     original = ppo_run.check_before_loading
     seen = {}
 
-    def checked(config, backend_factory=None):
+    def checked(config, engine=ppo_run.FourModelBackend):
         seen["config"] = config
         config.validate_data_parallel(world_size)  # what `_run` checks once the ranks have joined
         if not local:  # its models and data are not here: stop before reading them
             raise Reached("check_before_loading")
-        return original(config, backend_factory)
+        return original(config, engine)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ppo_run, "check_before_loading", checked)
@@ -327,7 +330,7 @@ def check_zoo(command, argv, world_size, tmp_path, monkeypatch, capsys):
 
 #: The first model read of a command on models that are not here: the command runs up to it.
 STOP_AT = {
-    "evaluate": ("marlhf_edu.stages.evaluate", "require_adapter_folder"),  # after its arguments, device and dtype
+    "evaluate": ("marlhf_edu.stages.evaluate", "RewardAdapter.resolve"),  # after its arguments, device and dtype
     "generate": ("marlhf_edu.stages.generate", "load_sft_model"),
     "merge": ("marlhf_edu.stages.merge", "resolve_device"),  # after its arguments, before the adapter folder is read
 }

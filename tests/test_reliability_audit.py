@@ -166,7 +166,7 @@ def test_a_refused_ppo_resume_leaves_no_folder_and_no_lock(tmp_path):
 
     out = tmp_path / "runs" / "ppo"
 
-    def never_loaded(config):
+    def never_loaded(config, reward=None):
         raise AssertionError("a model was loaded before the resume was refused")
 
     with pytest.raises(ConfigError):

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from marlhf_edu.data.everyday import EVERYDAY_PROMPTS, everyday_prompts, everyday_rows
-from marlhf_edu.data.sentiment_judge import (SentimentJudge, answer_mean_logprobs, answer_words, distinct_n,
-                                             ended_with_eos, eos_rate, gold_by_question, gold_change,
-                                             mean_tokens, mean_words, repeated_trigram_share,
-                                             repeats_trigram, sentiment_pairs, sentiment_report,
-                                             sentiment_reward, vader_compound)
+from marlhf_edu.data.sentiment_judge import (SentimentJudge, answer_mean_logprobs, answer_openings, answer_words,
+                                             commonest_opening, distinct_n, ended_with_eos, eos_rate,
+                                             gold_by_question, gold_change, mean_tokens, mean_words,
+                                             repeated_trigram_share, repeats_trigram, repetition_change,
+                                             sentiment_pairs, sentiment_report, sentiment_reward, vader_compound)
 from marlhf_edu.errors import DataFileError
 from marlhf_edu.loading.sources import load_tokenizer
 from marlhf_edu.math.logprobs import logprobs_from_logits
@@ -319,3 +319,25 @@ def test_gold_change_refuses_runs_over_other_questions():
         gold_change([[{"question": "a", "when": "during", "gold": 0.1}]])
     with pytest.raises(ValueError, match="no runs"):
         gold_change([])
+
+
+def test_repetition_change_pairs_each_answers_repeat_flag_by_question():
+    """Answers that loop after training on two questions of three: the repeated-3-gram share rises by 2/3; the
+    VADER scores in "gold" are ignored; with a second run that stopped looping the pooled change is 1/3."""
+    loop, plain = "so good so good so good", "a short plain answer"
+    rows = lambda after: [{"question": q, "when": w, "gold": 0.9, "response": r}  # noqa: E731
+                          for q, a in zip("abc", after) for w, r in (("before", plain), ("after", a))]
+    looped = rows([loop, loop, plain])
+    change, low, high = repetition_change([looped])
+    assert change == pytest.approx(2 / 3) and low == pytest.approx(0.0) and high == pytest.approx(1.0)
+    assert repetition_change([looped, rows([plain] * 3)])[0] == pytest.approx(1 / 3)
+    assert gold_change([looped])[0] == pytest.approx(0.0)  # the same rows' own gold did not move
+
+
+def test_commonest_opening_and_its_share():
+    samples = [{"response": r} for r in ("I'm thrilled to help.", "I'm thrilled to say", "Sure, here it is",
+                                         "I'm  thrilled to\nhelp")]
+    assert commonest_opening(samples) == ("I'm thrilled to", 0.75)
+    assert answer_openings(samples, words=1) == {"I'm": 3, "Sure,": 1}
+    with pytest.raises(ValueError, match="no answers"):
+        commonest_opening([])

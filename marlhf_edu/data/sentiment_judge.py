@@ -371,3 +371,28 @@ def gold_change(runs: list[list[dict]], confidence: float = 0.95) -> tuple[float
     pooled = [([x for before, _ in sides for x in before[q]], [x for _, after in sides for x in after[q]])
               for q in questions]
     return paired_bootstrap_difference([b for b, _ in pooled], [a for _, a in pooled], confidence=confidence)
+
+
+def repetition_change(runs: list[list[dict]], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(share after − share before, low, high) of answers that repeat a word 3-gram (`repeats_trigram`), paired by
+    question over one or more runs' evaluation rows as `gold_change` pairs VADER: each answer scores 1 if it
+    repeats one, else 0. A share of a few hundred answers moves by several points between samples; paired, the
+    interval says whether a run's rise is more than that."""
+    return gold_change([[{**s, "gold": float(repeats_trigram(s["response"]))} for s in samples] for samples in runs],
+                       confidence)
+
+
+def answer_openings(samples: list[dict], words: int = 3) -> Counter:
+    """How many of the rows' answers (`"response"`) open with each sequence of their first `words` words
+    (whitespace-split, as written)."""
+    return Counter(" ".join(s["response"].split()[:words]) for s in samples)
+
+
+def commonest_opening(samples: list[dict], words: int = 3) -> tuple[str, float]:
+    """`(opening, share)`: the commonest first `words` words of the answers and the share of answers that open with
+    them. A policy that found one phrase its reward pays for opens most answers with it, even when the repeated
+    3-gram share (which looks inside each answer) falls."""
+    if not samples:
+        raise ValueError("commonest_opening: no answers")
+    opening, count = answer_openings(samples, words).most_common(1)[0]
+    return opening, count / len(samples)

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.loading.adapters import check_pad_token, check_reward_adapter_base, check_same_vocabulary
+from marlhf_edu.loading.adapters import RewardAdapter, check_pad_token, check_same_vocabulary
 from marlhf_edu.loading.models import load_reward_model
 from marlhf_edu.loading.quiet import quiet_loading
-from marlhf_edu.loading.sources import align_pad, load_tokenizer, local_path, resolve_model, resolve_zoo
+from marlhf_edu.loading.sources import align_pad, load_tokenizer, resolve_model, resolve_zoo
 from marlhf_edu.math.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.math.scoring import position_ids_from_mask, sequence_scores
 from marlhf_edu.ppo.checkpointing import checkpointed, enable_checkpointing
@@ -127,6 +127,19 @@ class PPOBackend:
 
     tokenizer = None
     device = torch.device("cpu")
+    #: whether the reward adapter goes on the policy's own base (multi-adapter) rather than on a reward model's
+    shares_base = False
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse, as `ConfigError` before anything loads, an engine option this backend cannot honour."""
+
+    @classmethod
+    def resolve_reward(cls, config) -> RewardAdapter:
+        """The run's reward adapter, resolved and checked once (`RewardAdapter.resolve`) against the base it is put
+        on: `reward_base_path`, or the SFT model."""
+        return RewardAdapter.resolve(config.reward_adapter_path, config.reward_base_path or config.sft_model_path,
+                                     base_named=bool(config.reward_base_path))
 
     @property
     def policy_model(self) -> nn.Module:
@@ -248,21 +261,29 @@ class FourModelBackend(PPOBackend):
             m.eval()
 
     @classmethod
-    def from_config(cls, config) -> "FourModelBackend":
-        with quiet_loading():
-            return cls._from_config(config)
+    def check_config(cls, config) -> None:
+        if config.merged_rollout and config.actor_lora_r == 0:
+            raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor already "
+                              "samples from dense weights")
 
     @classmethod
-    def _from_config(cls, config) -> "FourModelBackend":
+    def from_config(cls, config, reward: RewardAdapter | None = None) -> "FourModelBackend":
+        """The four models for `config`. `reward` is the reward adapter as `run` resolved and checked it before
+        anything loaded; without one, the config is checked and the adapter resolved here."""
+        if reward is None:
+            cls.check_config(config)
+            reward = cls.resolve_reward(config)
+        with quiet_loading():
+            return cls._from_config(config, reward)
+
+    @classmethod
+    def _from_config(cls, config, reward: RewardAdapter) -> "FourModelBackend":
         from transformers import AutoModel, AutoModelForCausalLM
 
         sft = resolve_zoo(config.sft_model_path)
-        adapter = local_path(resolve_zoo(config.reward_adapter_path, "reward_adapter"))
-        if not config.reward_base_path:  # before anything loads
-            check_reward_adapter_base(adapter, sft)
+        adapter, reward_base = reward.folder, reward.base
         device = config.resolved_device
         tokenizer = load_tokenizer(sft)
-        reward_base = config.reward_base_path or sft
         sft = resolve_model(sft)  # a GGUF file or an SFT adapter becomes a directory once, in the cache
         actor = align_pad(AutoModelForCausalLM.from_pretrained(sft), tokenizer).to(device)
         if config.critic == "shared_head":

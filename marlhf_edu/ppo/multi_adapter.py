@@ -31,11 +31,11 @@ import pathlib
 import torch
 
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.loading.adapters import check_pad_token, check_reward_adapter_base, load_score_head
+from marlhf_edu.loading.adapters import RewardAdapter, check_pad_token
 from marlhf_edu.loading.quantization import keep_nf4_trainable, nf4_loading_kwargs
 from marlhf_edu.loading.quiet import quiet_loading
-from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer, local_path, resolve_model,
-                                        resolve_zoo, same_model_path)
+from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer, resolve_model, resolve_zoo,
+                                        same_model_path)
 from marlhf_edu.math.masked import last_valid_index
 from marlhf_edu.math.scoring import position_ids_from_mask
 from marlhf_edu.ppo.backends import PPOBackend, response_logprobs, response_values, sample, value_head
@@ -45,19 +45,30 @@ from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
 VALUE_MODES = ("shared", "adapter")
 
 
+def _check_value_options(value_mode: str, critic_init: str) -> None:
+    if value_mode not in VALUE_MODES:
+        raise ConfigError(f"value_mode must be one of {VALUE_MODES}, got {value_mode!r}")
+    if critic_init == "reward_model" and value_mode != "adapter":
+        raise ConfigError("critic_init: reward_model needs value_mode: adapter (the value adapter starts as a copy "
+                          "of the reward adapter); a shared head reads the policy's features, not the reward's")
+
+
 class MultiAdapterBackend(PPOBackend):
     """One (optionally quantized) base with `policy`, `reward` and optionally `value` adapters."""
 
-    def __init__(self, base, tokenizer, reward_adapter_dir, *, value_mode: str = "shared", lora_r: int = 16,
-                 lora_alpha: int = 16, target_modules=None, seed: int = 0, critic_init: str = "zero"):
+    shares_base = True
+
+    def __init__(self, base, tokenizer, reward_adapter: RewardAdapter | str | pathlib.Path, *, value_mode: str = "shared",
+                 lora_r: int = 16, lora_alpha: int = 16, target_modules=None, seed: int = 0, critic_init: str = "zero"):
+        """`reward_adapter`: as `from_config` resolved and checked it, or an adapter folder (its head found and
+        checked when it is read)."""
         from peft import LoraConfig, get_peft_model
 
+        if not isinstance(reward_adapter, RewardAdapter):
+            reward_adapter = RewardAdapter(pathlib.Path(reward_adapter), base.config.name_or_path, head_key=None)
+
         check_pad_token(tokenizer)
-        if value_mode not in VALUE_MODES:
-            raise ConfigError(f"value_mode must be one of {VALUE_MODES}, got {value_mode!r}")
-        if critic_init == "reward_model" and value_mode != "adapter":
-            raise ConfigError("critic_init: reward_model needs value_mode: adapter (the value adapter starts as a copy "
-                              "of the reward adapter); a shared head reads the policy's features, not the reward's")
+        _check_value_options(value_mode, critic_init)
         # more embedding rows than tokenizer ids is common (Qwen2.5-7B pads 151,665 ids to 152,064 rows); fewer is not
         if base.config.vocab_size < len(tokenizer):
             raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the base embeds only {base.config.vocab_size}: "
@@ -70,6 +81,7 @@ class MultiAdapterBackend(PPOBackend):
                                                            "gate_proj", "up_proj", "down_proj"]))
         torch.manual_seed(seed)
         self.model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **lora), adapter_name="policy")
+        reward_adapter_dir = reward_adapter.folder
         with quiet_loading(), adapter_fits(reward_adapter_dir, base.config.name_or_path):
             if value_mode == "adapter" and critic_init == "reward_model":  # a trainable copy of the reward adapter
                 self.model.load_adapter(str(reward_adapter_dir), adapter_name="value", is_trainable=True)
@@ -78,7 +90,7 @@ class MultiAdapterBackend(PPOBackend):
             self.model.load_adapter(str(reward_adapter_dir), adapter_name="reward", is_trainable=False)
         hidden = base.config.hidden_size
         self.device = next(base.parameters()).device
-        self.reward_head = load_score_head(reward_adapter_dir, hidden).to(self.device)
+        self.reward_head = reward_adapter.score_head(hidden).to(self.device)
         self.value_head = value_head(hidden).to(self.device)
         if critic_init == "reward_model":
             with torch.no_grad():
@@ -89,24 +101,36 @@ class MultiAdapterBackend(PPOBackend):
         self.model.eval()
 
     @classmethod
-    def from_config(cls, config) -> "MultiAdapterBackend":
-        from transformers import AutoModelForCausalLM
-
+    def check_config(cls, config) -> None:
         if config.critic != "separate":
             raise ConfigError(f"critic: {config.critic} is a four-model option; multi-adapter PPO picks its critic with "
                               "value_mode ('shared': a head on the policy adapter, 'adapter': its own LoRA)")
         if config.merged_reward:
             raise ConfigError("merged_reward is a four-model option: multi-adapter PPO's reward adapter shares the "
                               "policy's base, so it cannot be merged into it")
+        _check_value_options(config.value_mode, config.critic_init)
+
+    @classmethod
+    def resolve_reward(cls, config) -> RewardAdapter:
+        """The reward adapter goes on the policy's own base: a `reward_base_path` naming another model is refused."""
         sft = resolve_zoo(config.sft_model_path)
-        adapter = local_path(resolve_zoo(config.reward_adapter_path, "reward_adapter"))
-        if not config.reward_base_path:
-            check_reward_adapter_base(adapter, sft)
-        elif not same_model_path(config.reward_base_path, sft):
+        if config.reward_base_path and not same_model_path(config.reward_base_path, sft):
             raise ConfigError(f"reward_base_path={config.reward_base_path!r} differs from sft_model_path={str(sft)!r}: "
                               "multi-adapter PPO puts the reward adapter on the policy's own base, so a reward adapter "
                               "trained on another base would score with weights it never saw. Train the reward model on "
                               "the SFT model (or use the four-model `ppo` command, which loads the reward base separately)")
+        return RewardAdapter.resolve(config.reward_adapter_path, sft, base_named=bool(config.reward_base_path))
+
+    @classmethod
+    def from_config(cls, config, reward: RewardAdapter | None = None) -> "MultiAdapterBackend":
+        """One base and its adapters for `config`. `reward` is the reward adapter as `run` resolved and checked it
+        before anything loaded; without one, the config is checked and the adapter resolved here."""
+        from transformers import AutoModelForCausalLM
+
+        if reward is None:
+            cls.check_config(config)
+            reward = cls.resolve_reward(config)
+        sft = resolve_zoo(config.sft_model_path)
         device = config.resolved_device
         kwargs = nf4_loading_kwargs(device, config.double_quant, config.nf4_compute_dtype) if config.load_in_4bit else {}
         tokenizer = load_tokenizer(sft)
@@ -114,7 +138,7 @@ class MultiAdapterBackend(PPOBackend):
             base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(sft), **kwargs), tokenizer)
         if not kwargs:
             base = base.to(device)
-        return cls(base, tokenizer, adapter, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
+        return cls(base, tokenizer, reward, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
                    lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed,
                    critic_init=config.critic_init)
 

@@ -20,10 +20,9 @@ from marlhf_edu.data.sentiment_judge import sentiment_reward
 from marlhf_edu.data.template import template_for
 from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
 from marlhf_edu.errors import ConfigError, DataFileError
-from marlhf_edu.loading.adapters import check_reward_head, check_same_vocabulary
-from marlhf_edu.loading.sources import (load_tokenizer, record_base, require_adapter_folder, resolve_zoo,
-                                        same_model_path)
-from marlhf_edu.ppo.backends import FourModelBackend
+from marlhf_edu.loading.adapters import RewardAdapter, check_same_vocabulary
+from marlhf_edu.loading.sources import load_tokenizer, record_base, resolve_zoo, same_model_path
+from marlhf_edu.ppo.backends import FourModelBackend, PPOBackend
 from marlhf_edu.ppo.distributed import DataParallel
 from marlhf_edu.ppo.judging import evaluation_judge, judge_policy, periodic_evaluation
 from marlhf_edu.ppo.run_files import RunLock, check_run_folder, set_aside_stopped_run
@@ -100,31 +99,34 @@ def export_policy(backend, config, out_dir) -> None:
     record_base(out_dir, config.sft_model_path)
 
 
-def check_before_loading(config, backend_factory=None) -> tuple[list[str], object]:
+def engine_of(backend_factory) -> type[PPOBackend]:
+    """The backend class a run builds: `backend_factory` itself when it is one (`MultiAdapterBackend`), the class
+    of a bound `from_config`, and the four-model backend for None or any other callable (tests' stand-ins)."""
+    if isinstance(backend_factory, type) and issubclass(backend_factory, PPOBackend):
+        return backend_factory
+    owner = getattr(backend_factory, "__self__", None)
+    return owner if isinstance(owner, type) and issubclass(owner, PPOBackend) else FourModelBackend
+
+
+def check_before_loading(config, engine: type[PPOBackend] = FourModelBackend
+                         ) -> tuple[list[str], object, RewardAdapter]:
     """The user's mistakes a model load would otherwise find first, refused as `ConfigError` before anything
-    loads: an unknown tracker, an engine option the chosen engine cannot honour, a reward adapter folder that
-    does not exist or whose score head is missing or does not fit the base's width, a reward model on a base of
-    its own with another vocabulary, a prompt file that cannot be read, prompts longer than `max_prompt_length`, and an evaluation
-    the keyword judge cannot give (no held-out request fits in `max_prompt_length`). The prompts are read once,
-    here, with the policy's tokenizer alone (an SFT adapter's is its base's: nothing is merged); returns them and
-    the keyword judge (None when the run has none) for the run."""
+    loads: an unknown tracker, an engine option the chosen engine cannot honour (`engine.check_config`), a reward
+    adapter folder that does not exist, whose score head is missing or does not fit the base's width, or that was
+    trained on another base (`engine.resolve_reward`, once), a reward model on a base of its own with another
+    vocabulary, a prompt file that cannot be read, prompts longer than `max_prompt_length`, and an evaluation the
+    keyword judge cannot give (no held-out request fits in `max_prompt_length`). The prompts are read once, here,
+    with the policy's tokenizer alone (an SFT adapter's is its base's: nothing is merged); returns them, the
+    keyword judge (None when the run has none) and the checked reward adapter, which the backend is built with."""
     if config.report_to not in ("none", "", None):
         from accelerate.tracking import LOGGER_TYPE_TO_CLASS
 
         if config.report_to not in LOGGER_TYPE_TO_CLASS and config.report_to != "all":
             raise ConfigError(f"report_to: {config.report_to!r} is not a tracker accelerate knows "
                               f"({', '.join(sorted(LOGGER_TYPE_TO_CLASS))}, or 'none')")
-    multi_adapter = getattr(backend_factory, "__qualname__", "").startswith("MultiAdapterBackend")
-    if multi_adapter and config.critic_init == "reward_model" and config.value_mode != "adapter":
-        raise ConfigError("critic_init: reward_model needs value_mode: adapter (the value adapter starts as a copy "
-                          "of the reward adapter); a shared head reads the policy's features, not the reward's")
-    if backend_factory is None and config.merged_rollout and config.actor_lora_r == 0:
-        raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor already "
-                          "samples from dense weights")
-    adapter = resolve_zoo(config.reward_adapter_path, "reward_adapter")
-    require_adapter_folder(adapter, "reward_adapter_path")
+    engine.check_config(config)
+    reward = engine.resolve_reward(config)
     sft = resolve_zoo(config.sft_model_path)
-    check_reward_head(adapter, config.reward_base_path or sft)
     tokenizer = load_tokenizer(sft)
     if config.reward_base_path and not same_model_path(config.reward_base_path, sft):  # a reward model on its own base
         check_same_vocabulary(tokenizer, load_tokenizer(config.reward_base_path))  # its tokenizer alone, no weights
@@ -139,7 +141,7 @@ def check_before_loading(config, backend_factory=None) -> tuple[list[str], objec
             judge = evaluation_judge(config, tokenizer, when="before_after" if config.eval_repeats else "periodic")
         except NoRequestFits as err:
             raise ConfigError(f"{err}: raise max_prompt_length, or set eval_repeats: 0 and eval_every: 0") from None
-    return prompts, judge
+    return prompts, judge, reward
 
 
 def run(config, backend_factory=None, progress: bool = True) -> dict:
@@ -149,13 +151,17 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
     the checkpoint's settings are checked before anything is loaded or written, so a repeated launch cannot
     overwrite the run's evaluation before it is refused. A resume of a run stopped before its first checkpoint
     starts over from step 0 (`check_run_folder`); a resume whose evaluation records are damaged sets them aside
-    before training and writes them again (`evaluation_record_problems`), so `policy/` is always exported."""
+    before training and writes them again (`evaluation_record_problems`), so `policy/` is always exported.
+
+    `backend_factory` is the backend class (`FourModelBackend` when None; `marlhf-edu ma-ppo` passes
+    `MultiAdapterBackend`): its checks run before loading, and its `from_config` is given the reward adapter they
+    resolved. Any other callable is called as `backend_factory(config, reward=...)` after the four-model checks."""
     import dataclasses
 
     config.validate()
     if not config.resume:  # a folder that holds a run is refused before the checks below read anything: resolving
         check_run_folder(config)  # the tokenizer can convert a GGUF model (checked again under the lock)
-    prompts, judge = check_before_loading(config, backend_factory)
+    prompts, judge, reward = check_before_loading(config, engine_of(backend_factory))
     with RunLock(config.output_dir, enabled=int(os.environ.get("RANK", "0")) == 0):
         checked = check_run_folder(config)
         start_over = config.resume and checked is None  # stopped before its first checkpoint: nothing to resume
@@ -164,11 +170,11 @@ def run(config, backend_factory=None, progress: bool = True) -> dict:
         # every rank looks now, before any rank joins the run and rank 0 moves a damaged record aside
         damaged = (evaluation_record_problems(pathlib.Path(config.output_dir)) if config.resume and config.eval_repeats
                    else {})
-        return _run(config, backend_factory, progress, checked, prompts, judge, start_over, damaged)
+        return _run(config, backend_factory, progress, checked, prompts, reward, judge, start_over, damaged)
 
 
-def _run(config, backend_factory, progress: bool, checked, prompts: list[str], judge=None, start_over=False,
-         damaged=None) -> dict:
+def _run(config, backend_factory, progress: bool, checked, prompts: list[str], reward: RewardAdapter, judge=None,
+         start_over=False, damaged=None) -> dict:
     import torch
 
     # launched by `accelerate launch` on several processes: join the run before loading anything (chapter 14)
@@ -182,7 +188,8 @@ def _run(config, backend_factory, progress: bool, checked, prompts: list[str], j
         if dp.is_main and damaged:
             set_aside_evaluation_records(out, damaged)
     torch.manual_seed(config.seed)
-    backend = (backend_factory or FourModelBackend.from_config)(config)
+    build = backend_factory.from_config if isinstance(backend_factory, type) else backend_factory
+    backend = (build or FourModelBackend.from_config)(config, reward=reward)
     toy = None
     if config.dataset_name == "toy":
         toy = ToyWorld(ToyWorldConfig(seed=config.toy_seed))

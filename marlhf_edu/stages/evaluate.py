@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from marlhf_edu.data.keyword_judge import KeywordJudge, NoRequestFits
 from marlhf_edu.data.toyworld import ToyWorld
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.loading.adapters import check_reward_head, check_same_vocabulary
+from marlhf_edu.loading.adapters import RewardAdapter, check_same_vocabulary
 from marlhf_edu.loading.assets import TOKENIZER_DIR
 from marlhf_edu.loading.models import load_reward_model, load_sft_model, loading_kwargs
 from marlhf_edu.loading.quiet import quiet_loading
-from marlhf_edu.loading.sources import adapter_base, load_tokenizer, local_path, require_adapter_folder, resolve_zoo
+from marlhf_edu.loading.sources import load_tokenizer
 from marlhf_edu.ppo.backends import ScoredPolicy
 from marlhf_edu.ppo.judging import judge_policy
 from marlhf_edu.training.args import parse_stage_args
@@ -53,15 +53,6 @@ class EvaluateArguments:
     output_dir: str = field(default="", metadata={"help": "write eval_metrics.json and eval_samples.jsonl here"})
 
 
-def reward_base_of(adapter_dir) -> str:
-    """The base model an adapter records (`base_model_name_or_path` in its adapter_config.json)."""
-    import pathlib
-
-    if not (pathlib.Path(adapter_dir) / "adapter_config.json").exists():
-        raise ConfigError(f"{adapter_dir}: no adapter_config.json naming its base; pass --reward_base")
-    return adapter_base(adapter_dir)
-
-
 def main(argv: list[str] | None = None) -> dict:
     import json
     import pathlib
@@ -72,10 +63,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.repeats < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.temperature <= 0:
         raise ConfigError("--repeats, --prompts and --max_new_tokens must be >= 1 and --temperature > 0")
     loading = loading_kwargs(args.device, args.dtype, args.load_in_4bit)  # bad --device/--dtype: before loading
-    reward_adapter = resolve_zoo(args.reward_adapter, "reward_adapter")
-    adapter = local_path(reward_adapter)
-    require_adapter_folder(reward_adapter, "--reward_adapter")
-    check_reward_head(reward_adapter, args.reward_base or None, key="--reward_adapter")
+    # the shipped adapter goes on the shipped SFT model (`zoo` in both roles); any other on the base it records
+    reward = RewardAdapter.resolve(args.reward_adapter, args.reward_base or ("zoo" if args.reward_adapter == "zoo"
+                                                                             else None),
+                                   base_named=True, key="--reward_adapter")
     if args.output_dir:  # a folder it cannot write is found now, not after every answer was generated
         out = pathlib.Path(args.output_dir)
         try:
@@ -84,9 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise ConfigError(f"--output_dir {out} cannot be written ({err.strerror})") from None
         if not os.access(out, os.W_OK):
             raise ConfigError(f"--output_dir {out} cannot be written (permission denied)")
-    # the shipped adapter goes on the shipped SFT model (`zoo` in both roles); any other on the base it records
-    reward_base = args.reward_base or (resolve_zoo(args.reward_adapter) if args.reward_adapter == "zoo"
-                                       else reward_base_of(adapter))
+    reward_base, adapter = reward.base, reward.folder
     # the judge and its held-out requests come from the tokenizer alone: a limit no request fits is found now
     tokenizer = load_tokenizer(args.model)
     judge = args.judge

@@ -17,7 +17,7 @@ from marlhf_edu.training.args import parse_stage_args
 
 def main(argv: list[str] | None = None, progress: bool = True):
     (config,) = parse_stage_args((PPOConfig,), argv)
-    result = run(config, MultiAdapterBackend.from_config, progress=progress)
+    result = run(config, MultiAdapterBackend, progress=progress)
     if result["trainer"].dp.is_main and ("before" in result or "after" in result):
         print(evaluation_table(result.get("before", {}), result.get("after", {})))
         print(f"(the held-out evaluation, and the answers it read: {config.output_dir}/eval.json, eval_samples.jsonl)")

@@ -19,7 +19,8 @@ from marlhf_edu.training.args import parse_stage_args
 
 
 def main(argv: list[str] | None = None, backend_factory=None, progress: bool = True):
-    """`marlhf-edu ppo` (four models); `marlhf-edu ma-ppo` passes the multi-adapter backend's factory."""
+    """`marlhf-edu ppo` (four models); `marlhf-edu ma-ppo` runs the same with `MultiAdapterBackend`
+    (`backend_factory`, as `ppo.run.run` takes it)."""
     (config,) = parse_stage_args((PPOConfig,), argv)
     result = run(config, backend_factory, progress=progress)
     if result["trainer"].dp.is_main and ("before" in result or "after" in result):

@@ -33,8 +33,7 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     check_output_dir("dpo", script_args, training_args)  # before anything loads
     peft_config = lora_policy_config(model_args, "DPO")
     scored = script_args.dataset_name == "toy" and script_args.eval_repeats  # the evaluation after training
-    if scored:
-        check_reward_before_loading(script_args)
+    reward = check_reward_before_loading(script_args) if scored else None
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path))
     if scored:
         check_reward_vocabulary(script_args, tokenizer)
@@ -47,4 +46,4 @@ def run_dpo(script_args: DPOScriptArguments, training_args, model_args, dataset=
     # `--resume_from_checkpoint true`: the newest complete checkpoint-N (transformers read "true" as a folder)
     trainer.train(resume_from_checkpoint=resume_checkpoint("dpo", training_args, log=print))
     trainer.save_model(training_args.output_dir)
-    return trainer, evaluate_after(trainer, tokenizer, script_args, training_args)
+    return trainer, evaluate_after(trainer, tokenizer, script_args, training_args, reward)

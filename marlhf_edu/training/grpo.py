@@ -104,8 +104,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
                           "answers: limit the prompts with max_prompt_length (and drop_long_prompts)")
     # the reward model, the prompts and their lengths are checked with the tokenizers alone, before any model loads
     scored = script_args.reward == "reward_model" or (toy and script_args.eval_repeats)  # before training, not after
-    if scored:
-        check_reward_before_loading(script_args)
+    reward = check_reward_before_loading(script_args) if scored else None
     tokenizer = load_tokenizer(resolve_zoo(model_args.model_name_or_path))
     if scored:
         check_reward_vocabulary(script_args, tokenizer)
@@ -125,8 +124,7 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     funcs, weights = [], []
     if script_args.reward == "reward_model":
         with quiet_loading():
-            rm, _ = load_reward_model(resolve_zoo(script_args.reward_base_path),
-                                      resolve_zoo(script_args.reward_adapter_path, "reward_adapter"))
+            rm, _ = load_reward_model(reward.base, reward.folder)
         funcs.append(RewardModelReward(rm.to(model.device), tokenizer, script_args.missing_eos_penalty))
         weights.append(1.0)
     if toy:
@@ -139,4 +137,4 @@ def run_grpo(script_args: GRPOScriptArguments, training_args, model_args):
     # `--resume_from_checkpoint true`: the newest complete checkpoint-N (transformers read "true" as a folder)
     trainer.train(resume_from_checkpoint=resume_checkpoint("grpo", training_args, log=print))
     trainer.save_model(training_args.output_dir)
-    return trainer, evaluate_after(trainer, tokenizer, script_args, training_args)
+    return trainer, evaluate_after(trainer, tokenizer, script_args, training_args, reward)

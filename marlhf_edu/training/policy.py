@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marlhf_edu.errors import ConfigError
-from marlhf_edu.loading.adapters import check_reward_adapter_base, check_reward_head, check_same_vocabulary
+from marlhf_edu.loading.adapters import RewardAdapter, check_same_vocabulary
 from marlhf_edu.loading.quantization import keep_nf4_trainable
-from marlhf_edu.loading.sources import load_tokenizer, require_adapter_folder, resolve_zoo
+from marlhf_edu.loading.sources import load_tokenizer, resolve_zoo
 from marlhf_edu.ppo.judging import evaluate_trained_policy
 
 
@@ -71,31 +71,26 @@ def lora_policy_config(model_args, stage: str):
     return peft_config
 
 
-def evaluate_after(trainer, tokenizer, script_args, training_args) -> dict:
-    """The held-out toy evaluation of the trained policy (`{}` unless toy data and `eval_repeats` > 0)."""
+def evaluate_after(trainer, tokenizer, script_args, training_args, reward: RewardAdapter) -> dict:
+    """The held-out toy evaluation of the trained policy (`{}` unless toy data and `eval_repeats` > 0), scored by
+    `reward` as `check_reward_before_loading` resolved and checked it."""
     if script_args.dataset_name != "toy" or not script_args.eval_repeats:
         return {}
 
     return evaluate_trained_policy(
-        trainer.model, tokenizer, toy_seed=script_args.toy_seed,
-        reward_base=resolve_zoo(script_args.reward_base_path),
-        reward_adapter=resolve_zoo(script_args.reward_adapter_path, "reward_adapter"),
-        repeats=script_args.eval_repeats, max_new_tokens=script_args.eval_max_new_tokens,
+        trainer.model, tokenizer, toy_seed=script_args.toy_seed, reward_base=reward.base,
+        reward_adapter=reward.folder, repeats=script_args.eval_repeats, max_new_tokens=script_args.eval_max_new_tokens,
         seed=1000 + training_args.seed, output_dir=training_args.output_dir)
 
 
-def check_reward_before_loading(script_args) -> None:
-    """The reward adapter a trl stage scores with (GRPO's reward, the evaluation after DPO or GRPO), checked
-    before any model (or the policy's tokenizer, which can convert a GGUF model) loads: a folder with exactly one
-    score head that fits the width of `reward_base_path`, trained on that base (the base its
+def check_reward_before_loading(script_args) -> RewardAdapter:
+    """The reward adapter a trl stage scores with (GRPO's reward, the evaluation after DPO or GRPO), resolved and
+    checked once, before any model (or the policy's tokenizer, which can convert a GGUF model) loads: a folder with
+    exactly one score head that fits the width of `reward_base_path`, trained on that base (the base its
     `adapter_config.json` records; a `reward_base_path` other than `zoo` says it belongs there under another name,
     as in PPO). `check_reward_vocabulary` follows once the policy's tokenizer is loaded."""
-    adapter = resolve_zoo(script_args.reward_adapter_path, "reward_adapter")
-    base = resolve_zoo(script_args.reward_base_path)
-    require_adapter_folder(adapter, "reward_adapter_path")
-    check_reward_head(adapter, base)  # the base it goes on
-    if script_args.reward_base_path == "zoo":
-        check_reward_adapter_base(adapter, base)
+    return RewardAdapter.resolve(script_args.reward_adapter_path, script_args.reward_base_path,
+                                 base_named=script_args.reward_base_path != "zoo")
 
 
 def check_reward_vocabulary(script_args, tokenizer) -> None:
