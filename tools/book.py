@@ -670,12 +670,14 @@ def _output_text(outputs) -> str:
 
 def exercise_references() -> set[str]:
     """The answers `marlhf_edu.teaching.exercises` holds for its checkers to compare with (`gae_with_bootstrap_reference`):
-    its public functions other than the checkers (`check_…`) and the grading API (`case`, `grade`, `withheld`). A
-    chapter that imports one to show what the exercise computes computes from the solution."""
+    its public functions defined in `marlhf_edu.teaching` (the checker modules, not the package's math it compares
+    with) other than the checkers (`check_…`) and the grading API (`case`, `grade`, `withheld`). A chapter that
+    imports one to show what the exercise computes computes from the solution."""
     from marlhf_edu.teaching import exercises
 
+    teaching = exercises.__name__.rpartition(".")[0] + "."
     return {name for name, obj in vars(exercises).items() if inspect.isfunction(obj)
-            and obj.__module__ == exercises.__name__ and not name.startswith(("_", "check_"))
+            and obj.__module__.startswith(teaching) and not name.startswith(("_", "check_"))
             and name not in {"case", "grade", "withheld"}}
 
 

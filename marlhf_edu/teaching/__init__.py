@@ -1,1 +1,1 @@
-"""The book's teaching machinery: exercise checkers, problem sets, the chapters' helpers, diagrams."""
+"""The book's teaching machinery: the exercise framework and checkers, problem sets, the chapters' helpers, diagrams."""

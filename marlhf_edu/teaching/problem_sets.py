@@ -23,8 +23,8 @@ from marlhf_edu.math.gae import gae_advantages
 from marlhf_edu.math.kl import token_level_rewards
 from marlhf_edu.math.logprobs import logprobs_from_logits
 from marlhf_edu.math.masked import last_valid_index, masked_whiten
-from marlhf_edu.teaching.exercises import (CheckReport, _compare, _learner, _padded_mask, _run, _withholds,
-                                           check_gae_advantages, check_tempered_logprobs)
+from marlhf_edu.teaching.checks.part1_math import check_gae_advantages, check_tempered_logprobs
+from marlhf_edu.teaching.grading import CheckReport, _compare, _learner, _padded_mask, _run, _withholds
 
 
 def _renamed(report: CheckReport, name: str) -> CheckReport:
