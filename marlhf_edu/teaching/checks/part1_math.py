@@ -31,7 +31,8 @@ from marlhf_edu.teaching.grading import (CheckReport, _compare, _first_tensor, _
 
 @_withholds("marlhf_edu.math.masked.masked_mean")
 def check_masked_mean(fn: Callable, seed: int = 0) -> CheckReport:
-    """Check `fn(values, mask) -> scalar` against `masked_mean` (kept for the API; chapter 00 now grades `check_sequence_means`)."""
+    """Check `fn(values, mask) -> scalar` against `masked_mean`: one mean over every masked element (chapter 00
+    grades the per-sequence `check_sequence_means`)."""
     fn = _learner(fn, check_masked_mean)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(4, 7, generator=gen)
