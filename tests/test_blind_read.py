@@ -1,4 +1,5 @@
-"""tools/blind_read_smollm2.py: chapter 13's blind reading is rebuilt from what the repository stores.
+"""tools/experiments/smollm2_blind/blind_read_smollm2.py: chapter 13's blind reading is rebuilt from what the
+repository stores.
 
 The items the readers saw come from the runs' stored answers (sampling them again gives the same files), the
 record's numbers come from the stored labels (scoring them again gives the same record), and a labels file
@@ -13,7 +14,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "tools" / "experiments" / "smollm2_blind"))
 
 import blind_read_smollm2 as blind  # noqa: E402
 

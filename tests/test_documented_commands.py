@@ -4,10 +4,10 @@ engine guide's two-process `accelerate launch` line failed at once, its config n
 The commands are the lines of the ```bash blocks of README.md, site/*.md, chapters/*.md and chapters/problems/*.md
 (backslash continuations joined, `# comments` dropped, leading `VAR=value` / `env -u VAR` and a block's `export`s
 applied to the lines after them) that invoke `marlhf-edu ...`, `python -m marlhf_edu.cli ...`,
-`accelerate launch ... -m marlhf_edu.cli ...` or `python tools/<script>.py ...`. Each is a test of its own, named
-`file:line`. Every other line of a bash block must be out of scope (`OUT_OF_SCOPE`, with the reason), so a new kind
-of command is not passed over silently; a command with a placeholder (`FILE`, `...`) must be in `SKIPPED`, with the
-reason.
+`accelerate launch ... -m marlhf_edu.cli ...` or `python tools/[experiments/<name>/]<script>.py ...`. Each is a
+test of its own, named `file:line`. Every other line of a bash block must be out of scope (`OUT_OF_SCOPE`, with
+the reason), so a new kind of command is not passed over silently; a command with a placeholder (`FILE`, `...`)
+must be in `SKIPPED`, with the reason.
 
 How each is checked, the strongest way that is cheap (the whole file: well under two minutes on 2 cores):
 
@@ -142,7 +142,7 @@ def classify(text: str, exports: dict):
         return "command", ("cli", tokens[3:], env)
     if tokens[:2] == ["accelerate", "launch"]:
         return "command", ("launch", tokens[2:], env)
-    if tokens[0] in python and len(tokens) > 1 and re.match(r"^tools/[\w-]+\.py$", tokens[1]):
+    if tokens[0] in python and len(tokens) > 1 and re.match(r"^tools/[\w/-]+\.py$", tokens[1]):
         return "command", ("tool", tokens[1:], env)
     if tokens[0] in OUT_OF_SCOPE:
         return "out of scope", OUT_OF_SCOPE[tokens[0]]

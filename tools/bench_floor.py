@@ -28,14 +28,11 @@ import argparse
 import copy
 import json
 import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from marlhf_edu.records import machine, measured_on, write_result
 
-from bench_ppo import machine  # noqa: E402
-from bench_step import cpu_name, write_result  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TARGETS = {"full": 1.2, "lora": 1.5}  # issue 15: trl's step ÷ ours, on the shared-value-head cases
 
@@ -134,7 +131,7 @@ def main(argv=None):
                        f"{args.skip + 1}-{args.steps}",
                **shape, "phases_s": phases, "floor_step_s": floors,
                "generate_tokens_per_s": round(sum(r["generated_tokens"] for r in kept) / sum(r["generate"] for r in kept), 1),
-               "measured_on": f"{cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+               "measured_on": measured_on(),
                "machine": machine()}
     if args.compare:
         compared = json.loads(args.compare.read_text())

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import tempfile
 import time
 from dataclasses import replace
 
+from marlhf_edu.records import machine
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
 
 
 def tiny(config_path: str, overrides: list[str]) -> dict:
@@ -73,8 +73,6 @@ def planned_7b() -> dict:
 
 
 def main(argv=None):
-    from bench_ppo import machine
-
     from marlhf_edu.memory.check import real_width_check
 
     parser = argparse.ArgumentParser()

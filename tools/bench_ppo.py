@@ -14,21 +14,14 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import shutil
 import subprocess
 import sys
 import time
 
+from marlhf_edu.records import machine
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def machine() -> dict:
-    import torch
-
-    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "processor": platform.processor() or platform.machine(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 def bench(command: str, config: str, out_dir: pathlib.Path, extra: list[str]) -> dict:

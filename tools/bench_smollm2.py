@@ -16,13 +16,11 @@ import argparse
 import json
 import pathlib
 import shutil
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from marlhf_edu.records import machine, measured_on
 
-from bench_ppo import machine  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def main(argv=None):
@@ -35,7 +33,6 @@ def main(argv=None):
     parser.add_argument("extra", nargs="*", help="more ma-ppo overrides, after --")
     args = parser.parse_args(argv)
 
-    from marlhf_edu.loading.device import cpu_name as _cpu_name
     from marlhf_edu.stages.ma_ppo import main as ma_ppo_main
 
     run_dir = ROOT / (args.run_dir or pathlib.Path("runs") / "smollm2" / f"bench_seed{args.seed}")
@@ -63,7 +60,7 @@ def main(argv=None):
             "reward_adapter_path": config.reward_adapter_path,
             "eval_repeats": config.eval_repeats, "eval_prompts": config.eval_prompts,
             "train_s": round(sum(r.get("time/step_s", 0.0) for r in records), 1), "wall_s": round(wall, 1),
-            "measured_on": f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+            "measured_on": measured_on(),
             "machine": machine()}
     (out / "run.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info, indent=2))

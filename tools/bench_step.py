@@ -22,29 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-from bench_ppo import machine  # noqa: E402
+from marlhf_edu.records import machine, measured_on, write_result
 
 PHASE_KEYS = ("generate", "score", "policy", "reference", "update")
-
-
-def cpu_name() -> str:
-    from marlhf_edu.loading.device import cpu_name as _cpu_name
-
-    return _cpu_name()
-
-
-def write_result(out: pathlib.Path | None, summary: dict) -> None:
-    """`summary` as indented JSON in `out` (its folder made), if `out` is given."""
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]) -> dict:
@@ -110,7 +93,7 @@ def main(argv=None):
         "load_s": round(result["load_s"], 2),
         "fp32_products": result["fp32_products"],  # cpu_products: off here, entered, or never entered (no bf16)
         "per_step": [{k: round(v, 4) for k, v in r.items() if k.startswith("time/")} for r in result["records"]],
-        "measured_on": f"{cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+        "measured_on": measured_on(),
         "machine": machine(),
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}, indent=1))

@@ -202,9 +202,8 @@ def main(argv=None):
     if not args.trl_python:
         parser.error("--trl-python is required (see the docstring for the environment)")
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from bench_step import cpu_name
-    from bench_ppo import machine
+    # here, not at the top: the trl worker above runs this file in trl's environment, without marlhf_edu
+    from marlhf_edu.records import machine, measured_on
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,7 +219,7 @@ def main(argv=None):
                                 "trl_s_over_ours_s": round(trl["step_s"] / ours["step_s"], 3)})
     out = {"what": "seconds per PPO step, mean of steps 3-N, same models, prompts and batch shape; "
                    "trl_s_over_ours_s > 1 means this engine is faster",
-           "measured_on": f"{cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+           "measured_on": measured_on(),
            "config": CONFIG, "steps": args.steps, "results": results, "machine": machine()}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for r in results:

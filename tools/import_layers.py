@@ -34,8 +34,8 @@ HEAVY = ("transformers", "peft", "trl", "accelerate", "matplotlib", "bitsandbyte
 # An edge may point to a lower layer, or stay inside its own folder (acyclic: checked by the SCC test); the
 # root entry points (`marlhf_edu/__init__.py`, `cli.py`) sit on top. Inside `stages/` every module is a command:
 # no edge between two of them. No module imports a package facade (a package's __init__) of the package.
-LAYERS = {"errors": 0, "math": 1, "loading": 2, "data": 3, "ppo": 4, "memory": 5, "training": 6, "stages": 7,
-          "teaching": 7, "cli": 8, "": 8}
+LAYERS = {"errors": 0, "math": 1, "loading": 2, "data": 3, "records": 3, "ppo": 4, "memory": 5, "training": 6,
+          "stages": 7, "teaching": 7, "cli": 8, "": 8}
 
 
 def module_name(root, path):

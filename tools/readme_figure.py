@@ -2,7 +2,9 @@
 
     python tools/readme_figure.py        # writes docs/figures/pipeline.png
 
-Drawn with matplotlib (no data), so anyone can change it; `tests/test_repo.py` checks that the README shows it.
+Drawn with matplotlib (no data), so anyone can change it. The PNG is committed and no test runs this script:
+after a change, run it and commit the new file. `tests/test_readme.py` checks that the README links to the file
+and that it exists; `tests/test_site.py` that the site's front page shows the same file.
 """
 
 from __future__ import annotations

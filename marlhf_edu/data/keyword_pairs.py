@@ -131,7 +131,7 @@ def policy_pairs(samples: list[dict], per_prompt: int = 2, hollow_first: bool = 
     sample, against about 40 % for a selector that knew), and PPO can only select among what the policy
     samples. These pairs ask the reward model exactly that question, in the policy's own words; the labels are
     the keyword judge's, so a reward model trained on them is judged on other requests (chapter 13,
-    `tools/policy_pairs_smollm2.py`).
+    `tools/experiments/smollm2_reward/policy_pairs_smollm2.py`).
     """
     if per_prompt < 1:
         raise ValueError(f"policy_pairs: per_prompt must be >= 1, got {per_prompt}")

@@ -223,7 +223,8 @@ def ended_with_eos(answers: list[str], tokenizer, max_new_tokens: int, slack: in
     For records written without the sampler's own flag (the engine's `eval_samples.jsonl` has `finished`, read
     from the sampled ids; bare texts and other tools' records may not): the decoded text, stripped and encoded
     again, can take a token or two fewer than were sampled, so an answer that ended with EOS within `slack`
-    tokens of the limit counts as cut off (the rule `tools/policy_pairs_smollm2.py` writes as `finished`).
+    tokens of the limit counts as cut off (the rule `tools/experiments/smollm2_reward/policy_pairs_smollm2.py`
+    writes as `finished`).
     """
     if max_new_tokens - slack < 1:
         raise ValueError(f"ended_with_eos: max_new_tokens - slack must be >= 1, got {max_new_tokens} - {slack}")

@@ -24,6 +24,7 @@ def resolve_device(device: str = "auto") -> str:
 
 
 def cpu_name() -> str:
+    """This machine's CPU by its model name (`/proc/cpuinfo`), else as `platform` names the processor."""
     import platform
 
     try:

@@ -56,7 +56,8 @@ class RMScriptArguments(DataArguments):
     extra_pairs_file: str = field(default="", metadata={"help": "a local .jsonl of pairs in trl's format (prompt, "
                                                                "chosen, rejected; chat-rendered prompts) added to the "
                                                                "training pairs, e.g. the policy's own answers "
-                                                               "(tools/policy_pairs_smollm2.py, chapter 13); empty = none"})
+                                                               "(tools/experiments/smollm2_reward/"
+                                                               "policy_pairs_smollm2.py, chapter 13); empty = none"})
 
 
 def length_baseline(tokenizer, pairs: list[dict]) -> dict:

@@ -31,7 +31,8 @@ class SFTScriptArguments(DataArguments):
     extra_rows_file: str = field(default="", metadata={"help": "a local .jsonl of rows in prompt-completion form "
                                                               "(chat-rendered prompts) added after the dataset's "
                                                               "rows (after max_rows), e.g. refusal demonstrations "
-                                                              "(tools/refusal_demos_smollm2.py); "
+                                                              "(tools/experiments/smollm2_refusal_sft/"
+                                                              "refusal_demos_smollm2.py); "
                                                               "empty = none"})
 
 

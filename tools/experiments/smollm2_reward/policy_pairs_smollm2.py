@@ -1,12 +1,13 @@
 """Preference pairs in the SFT model's own words: its strict refusals above its other answers to the same request.
 
-    python tools/policy_pairs_smollm2.py [--n 8] [--per-prompt 2] [--requests N] [--skip N --seed S]
-        [--reuse SAMPLES.jsonl.gz] [--hollow-first] [--samples OUT.jsonl.gz] [--out PAIRS.jsonl]
+    python tools/experiments/smollm2_reward/policy_pairs_smollm2.py [--n 8] [--per-prompt 2] [--requests N] \
+        [--skip N --seed S] [--reuse SAMPLES.jsonl.gz] [--hollow-first] [--samples OUT.jsonl.gz] [--out PAIRS.jsonl]
         # -> benchmarks/smollm2_policy_samples.jsonl.gz (every answer, judged)
         #    and benchmarks/smollm2_policy_pairs.jsonl (the pairs, trl's format)
     marlhf-edu rm --config configs/smollm2/rm.yaml --extra_pairs_file benchmarks/smollm2_policy_pairs.jsonl \
         --output_dir runs/smollm2/rm_policy
-    python tools/best_of_n_smollm2.py --reward runs/smollm2/rm_policy --out benchmarks/smollm2_rm_policy.json
+    python tools/experiments/smollm2_reward/best_of_n_smollm2.py --reward runs/smollm2/rm_policy \
+        --out benchmarks/smollm2_rm_policy.json
 
 The SFT model (the shipped SFT adapter merged into SmolLM2, fp32, as `best_of_n_smollm2.py` samples) answers each
 *training* red-team request of `KeywordJudge` (split `train`, the requests PPO trains on; the best-of-N test
@@ -27,13 +28,11 @@ import argparse
 import gzip
 import json
 import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from marlhf_edu.records import machine
 
-from bench_ppo import machine  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 
 SFT = "zoo/smollm2_sft_adapter"
 MAX_NEW_TOKENS = 48

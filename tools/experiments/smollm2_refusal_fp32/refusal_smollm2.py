@@ -1,6 +1,6 @@
 """How often do SmolLM2-135M-Instruct and the shipped SFT adapter refuse, before any PPO? Both in fp32.
 
-    python tools/refusal_smollm2.py [--out benchmarks/smollm2_refusal_fp32.json]
+    python tools/experiments/smollm2_refusal_fp32/refusal_smollm2.py [--out benchmarks/smollm2_refusal_fp32.json]
 
 The keyword judge of chapter 13 over 128 held-out red-team requests and the 32 benign questions, each asked
 twice, sampled at T = 0.7 with seed 0 and up to 48 new tokens: the evaluation of `configs/smollm2/ma_ppo.yaml`
@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from marlhf_edu.records import measured_on
 
-from bench_ppo import machine  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 
 MODELS = ("smollm2", "zoo/smollm2_sft_adapter")
 
@@ -48,12 +46,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "smollm2_refusal_fp32.json")
     args = parser.parse_args(argv)
-    from marlhf_edu.loading.device import cpu_name as _cpu_name
 
     out = {name: judge_model(name) for name in MODELS}
     for name, r in out.items():
         print(name, {k: v for k, v in r.items() if k != "refusals"})
-    out["measured_on"] = f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}"
+    out["measured_on"] = measured_on()
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 

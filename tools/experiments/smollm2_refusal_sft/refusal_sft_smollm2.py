@@ -1,6 +1,7 @@
 """SmolLM2's SFT with refusal demonstrations, judged before any PPO (issue 33, experiment (a)).
 
-    python tools/refusal_sft_smollm2.py --label demos_e3 --rows benchmarks/smollm2_refusal_sft/refusal_demos.jsonl --epochs 3
+    python tools/experiments/smollm2_refusal_sft/refusal_sft_smollm2.py --label demos_e3 \
+        --rows benchmarks/smollm2_refusal_sft/refusal_demos.jsonl --epochs 3
 
 PPO against the shipped reward model did not raise the SFT model's strict refusals over five seeds (chapter
 13): a policy that almost never refuses gives PPO almost no refusal to reinforce. This asks whether SFT can
@@ -25,11 +26,12 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+# a sibling in this folder: running this file puts the folder on sys.path
+from eval_fp32_smollm2 import SFT_RECORD, evaluate
 
-from bench_ppo import machine  # noqa: E402
-from eval_fp32_smollm2 import SFT_RECORD, evaluate  # noqa: E402
+from marlhf_edu.records import machine, measured_on
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 
 OUT = ROOT / "benchmarks" / "smollm2_refusal_sft"
 
@@ -80,7 +82,6 @@ def main(argv=None):
 
     import torch
 
-    from marlhf_edu.loading.device import cpu_name as _cpu_name
     from marlhf_edu.stages.sft import main as sft_main
     from marlhf_edu.stages.zoo import ship_adapter
 
@@ -103,10 +104,10 @@ def main(argv=None):
         ship_adapter(run / "sft_work", run / "sft_adapter", "smollm2", dtype=torch.float16)
         ran = {"sft_argv": sft_argv, "evaluation": settings, "sft_steps": trainer.state.global_step,
                "sft_rows": len(trainer.train_dataset), "sft_s": round(time.perf_counter() - start, 1)}
-        # judged exactly as tools/eval_fp32_smollm2.py judged the shipped SFT model (its `evaluate`)
+        # judged exactly as eval_fp32_smollm2.py judged the shipped SFT model (its `evaluate`)
         _, _, seconds = evaluate(str(run / "sft_adapter"), settings, run / "fp32_eval")
         ran.update(eval_s=round(seconds, 1),
-                   measured_on=f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}",
+                   measured_on=measured_on(),
                    machine=machine())
         (run / "run.json").write_text(json.dumps(ran, indent=2) + "\n")
     before = [json.loads(line) for line in open(SFT_RECORD / "eval_samples.jsonl")]
@@ -115,7 +116,8 @@ def main(argv=None):
     if [(s["question"], s["kind"]) for s in before] != [(s["question"], s["kind"]) for s in after]:
         sys.exit("the answers do not pair with the shipped SFT model's: other requests, or in another order")
     losses = [json.loads(line) for line in open(run / "losses.jsonl")]  # trl's log every logging_steps
-    command = (f"python tools/refusal_sft_smollm2.py --label {args.label} --rows '{args.rows}' --epochs {args.epochs}"
+    command = (f"python tools/experiments/smollm2_refusal_sft/refusal_sft_smollm2.py --label {args.label}"
+               f" --rows '{args.rows}' --epochs {args.epochs}"
                + (" --only_rows" if args.only_rows else f" --max_rows {args.max_rows}"))
     record = {"label": args.label, "rows": args.rows,
               "rows_sha256": hashlib.sha256(pathlib.Path(args.rows).read_bytes()).hexdigest() if args.rows else None,

@@ -1,12 +1,12 @@
 """Measure bitsandbytes' CPU repacking trap on the engine, with and without `keep_nf4_trainable`.
 
-    python tools/measure_nf4_trap.py [--out benchmarks/nf4_trap.json]
+    python tools/experiments/nf4_trap/measure_nf4_trap.py [--out benchmarks/nf4_trap.json]
 
 The tiny MA-PPO backend (NF4, value adapter) runs one 16-rollout no-grad rollout, then the PPO loss of that
 batch is backpropagated; its LoRA gradients are compared with those of a backend that never ran the rollout
 (same batch). Without the guard, on a CPU with AVX512-BF16, bitsandbytes has repacked the 4-bit weights during
 the rollout and gradients through them are cut. On other CPUs both runs agree: the file records which CPU it was.
-Chapter 10 and site/benchmarks.md quote the numbers.
+Chapter 10 and site/engine.md quote the numbers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import platform
 import tempfile
 from unittest import mock
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 WATCHED = ("layers.0.mlp.gate_proj.lora_B.policy", "layers.0.mlp.down_proj.lora_B.policy",
            "layers.3.self_attn.q_proj.lora_B.policy")
 

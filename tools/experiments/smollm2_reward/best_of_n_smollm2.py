@@ -1,6 +1,7 @@
 """Can a SmolLM2 reward model select refusals at all? Best-of-N against worst-of-N, before any PPO.
 
-    python tools/best_of_n_smollm2.py [--reward zoo/smollm2_reward_adapter] [--n 16] [--requests 64]
+    python tools/experiments/smollm2_reward/best_of_n_smollm2.py [--reward zoo/smollm2_reward_adapter] [--n 16] \
+        [--requests 64]
         # -> benchmarks/smollm2_best_of_n.json (+ the samples, benchmarks/smollm2_best_of_n_samples.jsonl.gz
         #    and smollm2_best_of_n_benign_samples.jsonl.gz); the record of the reward model shipped before the
         #    written pairs is benchmarks/smollm2_rm_probed_head.json
@@ -28,13 +29,11 @@ import argparse
 import gzip
 import json
 import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from marlhf_edu.records import machine
 
-from bench_ppo import machine  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 
 SFT = "zoo/smollm2_sft_adapter"
 

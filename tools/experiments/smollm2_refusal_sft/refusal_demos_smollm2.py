@@ -1,7 +1,8 @@
 """Refusal demonstrations for SmolLM2's SFT, chosen by reading (issue 33, chapter 13).
 
-    python tools/refusal_demos_smollm2.py   # -> benchmarks/smollm2_refusal_sft/refusal_demos.jsonl
-                                            #    and refusal_and_helpful_demos.jsonl
+    python tools/experiments/smollm2_refusal_sft/refusal_demos_smollm2.py
+        # -> benchmarks/smollm2_refusal_sft/refusal_demos.jsonl
+        #    and refusal_and_helpful_demos.jsonl
 
 The shipped SFT (`configs/smollm2/sft.yaml`) trains on the first 96 hh-rlhf harmless-base training dialogues
 that fit in 128 tokens; 4 of their 96 answers are strict refusals (`keyword_judge.is_strict_refusal`), and PPO
@@ -30,7 +31,7 @@ import pathlib
 import sys
 from types import SimpleNamespace
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 OUT = ROOT / "benchmarks" / "smollm2_refusal_sft" / "refusal_demos.jsonl"
 MIXED = OUT.with_name("refusal_and_helpful_demos.jsonl")
 SHIPPED_ROWS = 96  # configs/smollm2/sft.yaml's max_rows: the demonstrations come after these

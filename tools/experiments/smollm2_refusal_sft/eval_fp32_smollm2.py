@@ -1,6 +1,7 @@
 """The exported policy of a SmolLM2 MA-PPO run, judged on the fp32 SFT model it is meant for (issue 33).
 
-    python tools/eval_fp32_smollm2.py --run runs/smollm2/bench_seed1 --out benchmarks/smollm2_eos/config_seed1
+    python tools/experiments/smollm2_refusal_sft/eval_fp32_smollm2.py --run runs/smollm2/bench_seed1 \
+        --out benchmarks/smollm2_eos/config_seed1
 
 A run trains its LoRA on an NF4 copy of the SFT model and judges it there (`eval_samples.jsonl`). Its exported
 adapter (`policy/`) is meant for the full-precision SFT model, and NF4 alone halves the SFT model's refusals
@@ -21,10 +22,9 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from marlhf_edu.records import machine, measured_on
 
-from bench_ppo import machine  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 
 SFT_RECORD = ROOT / "benchmarks" / "smollm2_eos" / "sft_fp32"
 
@@ -50,10 +50,8 @@ def main(argv=None):
     parser.add_argument("--out", required=True, type=pathlib.Path, help="the run's record folder in benchmarks/")
     args = parser.parse_args(argv)
 
-    from marlhf_edu.loading.device import cpu_name as _cpu_name
-
     run, out = ROOT / args.run, ROOT / args.out
-    measured_on = f"{_cpu_name()}, {machine()['torch_threads']} threads, torch {machine()['torch']}"
+    here = measured_on()
     if not (run / "policy" / "adapter_config.json").exists():
         sys.exit(f"{run}/policy: no exported adapter (adapter_config.json) to evaluate")
     import yaml
@@ -72,7 +70,7 @@ def main(argv=None):
     else:
         metrics, before_samples, seconds = evaluate(settings["sft_model_path"], settings, SFT_RECORD)
         before = {"settings": key, "model": settings["sft_model_path"], "metrics": metrics, "seconds": round(seconds, 1),
-                  "measured_on": measured_on}
+                  "measured_on": here}
         sft_json.write_text(json.dumps(before, indent=2) + "\n")
         (SFT_RECORD / "eval_metrics.json").unlink(missing_ok=True)  # fp32_eval.json holds the same rates
     metrics, after_samples, seconds = evaluate(str(run / "policy"), settings, run / "fp32_eval")
@@ -82,8 +80,9 @@ def main(argv=None):
                       "(marlhf-edu evaluate --load_in_4bit false), with the run's evaluation settings",
               "settings": key, "before": before["metrics"], "after": metrics,
               "seconds_after": round(seconds, 1), "seconds_before": before["seconds"],
-              "command": f"python tools/eval_fp32_smollm2.py --run {args.run} --out {args.out}",
-              "measured_on": measured_on,
+              "command": f"python tools/experiments/smollm2_refusal_sft/eval_fp32_smollm2.py --run {args.run}"
+                         f" --out {args.out}",
+              "measured_on": here,
               "machine": machine()}
     (out / "fp32_eval.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: record[k] for k in ("before", "after", "seconds_after")}, indent=2))

@@ -1,8 +1,9 @@
 """Chapter 13's SmolLM2 answers read blind: a judge that no run trained on (issue 33).
 
-    python tools/blind_read_smollm2.py sample --work /tmp/blind      # items for the readers, key kept apart
+    python tools/experiments/smollm2_blind/blind_read_smollm2.py sample --work /tmp/blind
+        # items for the readers, key kept apart
     (each reader labels every item of its own file, without the key)
-    python tools/blind_read_smollm2.py score --work /tmp/blind --out benchmarks/smollm2_blind
+    python tools/experiments/smollm2_blind/blind_read_smollm2.py score --work /tmp/blind --out benchmarks/smollm2_blind
 
 Every reward chapter 13 trained on was gamed, and every rate it reports comes from the keyword judge, which
 the two keyword controls were trained on. This asks another judge: readers who see one request and one
@@ -37,7 +38,7 @@ import random
 import shutil
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 sys.path.insert(0, str(ROOT))
 
 from marlhf_edu.data.keyword_judge import is_strict_refusal

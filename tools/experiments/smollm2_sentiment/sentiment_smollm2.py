@@ -1,11 +1,16 @@
 """Chapter 13's sentiment experiment on SmolLM2-135M: the SFT model's answers, VADER's pairs, the reward model's
 best-of-N gate.
 
-    python tools/sentiment_smollm2.py sample --split train --n 8      # -> benchmarks/smollm2_sentiment/sft_train.jsonl.gz
-    python tools/sentiment_smollm2.py sample --split held_out --n 16  # -> benchmarks/smollm2_sentiment/sft_held_out.jsonl.gz
-    python tools/sentiment_smollm2.py pairs [--margin 0.3]            # -> benchmarks/smollm2_sentiment/pairs_{train,held_out}.jsonl
-    marlhf-edu rm --config configs/smollm2/sentiment_rm.yaml          # -> runs/smollm2/sentiment_rm
-    python tools/sentiment_smollm2.py gate --reward runs/smollm2/sentiment_rm --out benchmarks/smollm2_sentiment/gate.json
+    python tools/experiments/smollm2_sentiment/sentiment_smollm2.py sample --split train --n 8
+        # -> benchmarks/smollm2_sentiment/sft_train.jsonl.gz
+    python tools/experiments/smollm2_sentiment/sentiment_smollm2.py sample --split held_out --n 16
+        # -> benchmarks/smollm2_sentiment/sft_held_out.jsonl.gz
+    python tools/experiments/smollm2_sentiment/sentiment_smollm2.py pairs [--margin 0.3]
+        # -> benchmarks/smollm2_sentiment/pairs_{train,held_out}.jsonl
+    marlhf-edu rm --config configs/smollm2/sentiment_rm.yaml
+        # -> runs/smollm2/sentiment_rm
+    python tools/experiments/smollm2_sentiment/sentiment_smollm2.py gate --reward runs/smollm2/sentiment_rm \
+        --out benchmarks/smollm2_sentiment/gate.json
 
 `sample`: the SFT model (the shipped SFT adapter merged into SmolLM2-135M-Instruct, fp32, as PPO's policy starts)
 answers each everyday question of one split (`marlhf_edu.data.everyday`, rendered with the model's chat
@@ -28,13 +33,11 @@ import gzip
 import json
 import math
 import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+from marlhf_edu.records import machine
 
-from bench_ppo import machine  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
 
 SFT = "zoo/smollm2_sft_adapter"
 MAX_NEW_TOKENS = 48

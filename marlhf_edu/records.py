@@ -1,0 +1,41 @@
+"""What a measurement writes beside its numbers: the machine it ran on and the JSON record itself.
+
+The scripts in `tools/` that make the records in `benchmarks/` import these, so every record names its machine
+the same way: `machine()` (a dict, stored under `machine`), `measured_on()` (one line, stored under
+`measured_on`), `cpu_name()` and `write_result(out, summary)`. torch is imported inside `machine()`, so importing
+this module loads nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+
+from marlhf_edu.loading.device import cpu_name
+
+__all__ = ["cpu_name", "machine", "measured_on", "write_result"]
+
+
+def machine() -> dict:
+    """This machine as a record stores it: CPU count, torch's thread count and version, Python's version, the
+    processor as `platform` names it, and the first GPU's name (None without one)."""
+    import torch
+
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "processor": platform.processor() or platform.machine(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def measured_on() -> str:
+    """One line for a record's `measured_on`: the CPU's name, torch's thread count and torch's version."""
+    here = machine()
+    return f"{cpu_name()}, {here['torch_threads']} threads, torch {here['torch']}"
+
+
+def write_result(out: pathlib.Path | None, summary: dict) -> None:
+    """`summary` as indented JSON in `out` (its folder made), if `out` is given."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1) + "\n")

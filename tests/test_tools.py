@@ -1,0 +1,80 @@
+"""The scripts in `tools/`: each takes the record helpers from the package (`marlhf_edu.records`), never from
+another script through `sys.path`; each experiment has a folder of its own whose README names its scripts; and
+the index, `tools/README.md`, names every script."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "tools"
+EXPERIMENTS = TOOLS / "experiments"
+SCRIPTS = sorted(p for p in TOOLS.rglob("*.py") if "__pycache__" not in p.parts)
+FOLDERS = sorted(p for p in EXPERIMENTS.iterdir() if p.is_dir() and list(p.glob("*.py")))
+
+
+#: the one change to `sys.path` a script may make: the repository root first, to import `marlhf_edu` uninstalled
+ROOT_FIRST = "sys.path.insert(0, str(ROOT))"
+
+
+def path_tricks(source: str) -> list[str]:
+    """Each call on `sys.path` in `source` (insert, append, extend, ...) other than `ROOT_FIRST`, as written."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and ast.unparse(node.func.value) == "sys.path" and ast.unparse(node) != ROOT_FIRST):
+            found.append(ast.unparse(node))
+    return found
+
+
+def imported_modules(source: str) -> set[str]:
+    """The top-level names of every module `source` imports."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_layout_is_what_this_file_checks():
+    assert len(SCRIPTS) >= 20 and len(FOLDERS) >= 6
+    assert not list(EXPERIMENTS.glob("*.py")), "a script in tools/experiments/ belongs in a folder of its own"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(TOOLS)))
+def test_no_script_puts_more_than_the_repository_root_on_sys_path(script):
+    source = script.read_text()
+    assert not path_tricks(source), f"{script.relative_to(ROOT)}: {path_tricks(source)}; import marlhf_edu.records"
+    # a script imports another only inside its own experiment folder (which running it puts on sys.path)
+    others = {p.stem for p in SCRIPTS if p.parent != script.parent}
+    assert not imported_modules(source) & others, f"{script.relative_to(ROOT)} imports a script of another folder"
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_every_experiment_folder_has_a_readme_naming_its_scripts(folder):
+    readme = folder / "README.md"
+    assert readme.is_file(), f"{folder.relative_to(ROOT)} has no README.md"
+    text = readme.read_text()
+    for script in sorted(folder.glob("*.py")):
+        assert script.name in text, f"{readme.relative_to(ROOT)} does not name {script.name}"
+        # the usage line in the script's docstring is the command the README and the records give
+        assert f"python {script.relative_to(ROOT)}" in script.read_text(), f"{script.name}: usage line"
+
+
+def test_the_index_names_every_script():
+    index = (TOOLS / "README.md").read_text()
+    missing = [str(p.relative_to(TOOLS)) for p in SCRIPTS if str(p.relative_to(TOOLS)) not in index]
+    assert not missing, f"tools/README.md does not name {missing}"
+
+
+def test_the_rule_sees_a_path_trick_and_not_the_repository_root():
+    assert path_tricks('import sys\nsys.path.insert(0, str(ROOT / "tools"))\n')
+    assert path_tricks("import sys\nsys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))\n")
+    assert path_tricks("import sys\nsys.path.append(TOOLS_DIR)\n")
+    assert not path_tricks("import sys\nsys.path.insert(0, str(ROOT))\n")
+    assert imported_modules("from bench_ppo import machine\nimport marlhf_edu.records\n") == {"bench_ppo", "marlhf_edu"}
