@@ -38,6 +38,7 @@ PASSES = {RECORD: blind.READERS, RECORD / "first_pass": ("A", "B"), RECORD / "se
 
 
 @pytest.mark.parametrize("folder", PASSES, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_the_record_is_what_the_labels_say(tmp_path, folder):
     """Each reading's numbers are its labels' (the earlier readings too, by other readers), and every item it
     showed is the stored first answer of its run to its request."""

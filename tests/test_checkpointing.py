@@ -65,6 +65,7 @@ def rollout_pair(tmp_path, backend_cls, prompts, overrides):
 
 
 @pytest.mark.parametrize("backend_cls, overrides", CASES, ids=IDS)
+@pytest.mark.slow
 def test_same_gradients_with_far_fewer_saved_activations(tmp_path, prompts, backend_cls, overrides):
     plain, ckpt, rollout = rollout_pair(tmp_path, backend_cls, prompts, overrides)
     g_plain, saved_plain = gradients(plain, rollout)

@@ -127,6 +127,7 @@ def grades(root, stem, student):
         return [(g.name, g.cell_type, g.auto_score, g.max_score, g.needs_manual_grade) for g in nb.grades]
 
 
+@pytest.mark.slow
 def test_release_has_stubs_and_no_hidden_tests(graded_course):
     for stem in SUBSET:
         text = (graded_course / "release" / stem / f"{stem}.ipynb").read_text()
@@ -137,6 +138,7 @@ def test_release_has_stubs_and_no_hidden_tests(graded_course):
 
 
 @pytest.mark.parametrize("stem", SUBSET)
+@pytest.mark.slow
 def test_stubs_score_zero_and_solutions_full_marks(graded_course, stem):
     stubs, solutions = grades(graded_course, stem, "stubs"), grades(graded_course, stem, "solutions")
     auto = [g for g in stubs if g[1] == "code"]
@@ -148,6 +150,7 @@ def test_stubs_score_zero_and_solutions_full_marks(graded_course, stem):
     assert all(manual for _, kind, _, _, manual in solutions if kind == "markdown"), solutions
 
 
+@pytest.mark.slow
 def test_partial_work_earns_partial_credit_and_its_feedback_names_every_case(graded_course):
     """Issue 36: plain GAE is right on the cases where every row ended and wrong on the truncated ones; it used to
     score what the empty stub scores (0 of 3)."""
@@ -158,6 +161,7 @@ def test_partial_work_earns_partial_credit_and_its_feedback_names_every_case(gra
     assert f"score: {test[2]:g} of 3 points" in html
 
 
+@pytest.mark.slow
 def test_feedback_is_generated(graded_course):
     for stem in SUBSET:
         for student in ("stubs", "solutions"):
@@ -287,6 +291,7 @@ def test_executing_a_chapter_prints_progress(capsys, tmp_path):
     assert "code cell" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_jupyterlab_shows_the_learner_edition_without_raw_myst(tmp_path):
     """Issue 36: JupyterLab renders Markdown, not MyST, so a chapter showed "{eq}`gae`", "{numref}`fig-…`" and a
     stray "(td-error)" under each labelled equation. The learner edition (`make lab`) carries the site's numbers

@@ -93,6 +93,7 @@ def two_rank_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process_on_the_same_global_batch(two_rank_run, tmp_path):
     one = tmp_path / "one"
     _run(_one_process("--total_steps", "2", "--save_steps", "2", "--output_dir", str(one)))
@@ -106,6 +107,7 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(two_rank_run, tmp_
     assert (two_rank_run / "policy" / "adapter_config.json").exists()
 
 
+@pytest.mark.slow
 def test_the_engine_guides_two_process_command_runs_as_written(tmp_path):
     """site/engine.md's CPU data-parallel line, as printed there, for one step (a free port, the step count and an
     output folder added): a documented command that the config refuses would fail here, as the guide's line did
@@ -125,6 +127,7 @@ def test_the_engine_guides_two_process_command_runs_as_written(tmp_path):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_four_model_full_fine_tuning_on_two_ranks_equals_one_process(tmp_path):
     """The other engine: four models, every weight of the actor and the separate critic trained (no LoRA)."""
     shape = ["--config", "configs/tiny_ppo.yaml", *SHAPE[2:], "--total_steps", "1", "--save_steps", "1"]
@@ -137,6 +140,7 @@ def test_four_model_full_fine_tuning_on_two_ranks_equals_one_process(tmp_path):
     _assert_same_weights(weights, _weights(two, 1))
 
 
+@pytest.mark.slow
 def test_the_whole_pipeline_runs_on_two_ranks(tmp_path):
     """`marlhf-edu pipeline` under `accelerate launch`: trl's SFT and reward trainers and the PPO engine each run
     data-parallel on the same two processes; rank 0 writes the stage markers. The SFT stage trains a LoRA on the
@@ -172,6 +176,7 @@ def test_the_whole_pipeline_runs_on_two_ranks(tmp_path):
     assert state["world_size"] == 2 and len(_records(out / "ma_ppo")) == 1
 
 
+@pytest.mark.slow
 def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_one(two_rank_run, tmp_path):
     out = tmp_path / "killed"
     cmd = _two_ranks("--total_steps", "4", "--save_steps", "2", "--output_dir", str(out))
@@ -192,6 +197,7 @@ def test_a_killed_two_rank_run_resumes_to_the_uninterrupted_one(two_rank_run, tm
     _assert_same_weights(_weights(two_rank_run, 4), _weights(out, 4))
 
 
+@pytest.mark.slow
 def test_resuming_with_another_number_of_ranks_is_refused(two_rank_run, tmp_path):
     import shutil
 
@@ -224,6 +230,7 @@ def _mean_gradient_worker(rank: int, port: int, results):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_take_the_mean_gradient():
     import torch.multiprocessing as mp
 

@@ -34,7 +34,8 @@ def test_reference_implementations_pass():
 CHECKERS = [name for name in dir(ex) if name.startswith("check_")]
 
 
-@pytest.mark.parametrize("name", CHECKERS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "check_rate_interval" else n
+                                  for n in CHECKERS])
 def test_calling_the_package_does_not_pass(name):
     """Each checker withholds the package's answer while the learner's function runs, under any import path."""
     check = getattr(ex, name)
@@ -386,6 +387,7 @@ def test_check_expected_estimate_passes_the_reference_and_fails_classic_mistakes
     assert not ex.check_expected_estimate(lambda p, mu, K, b: enumerated(p, mu, 1, b))
 
 
+@pytest.mark.slow
 def test_check_rate_interval_accepts_any_valid_method_and_fails_ones_that_ignore_the_prompts():
     import math
     import random

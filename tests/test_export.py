@@ -90,6 +90,7 @@ def test_generate_answers_with_the_trained_policy(trained, capsys):
     assert cli(["generate", "--model", "zoo"]) == 2  # no prompt: a clear error, exit code 2
 
 
+@pytest.mark.slow
 def test_evaluate_a_trained_policy_as_the_engine_evaluates_it(trained, tmp_path):
     """`marlhf-edu evaluate` on the exported policy gives the numbers the engine's own evaluation gives for the
     trained policy (same judge, seed and sampling), and writes every answer."""

@@ -34,6 +34,7 @@ def record(tmp_path_factory):
 ROUNDING_CHECKS = {"bf16 merged copy keeps >= 90 % of the policy's move"}
 
 
+@pytest.mark.slow
 def test_every_part_runs_and_passes_its_checks(record):
     for part in ("ppo", "ppo_merged", "ppo_fast", "sampling", "stages", "pipeline"):
         assert "error" not in record[part], record[part].get("traceback")
@@ -43,6 +44,7 @@ def test_every_part_runs_and_passes_its_checks(record):
     assert record["model"]["checkpoint_dtype"] == "float16"  # saved as the real Llama-2-7b-hf is
 
 
+@pytest.mark.slow
 def test_the_ppo_part_measures_what_issue_34_asks(record):
     ppo = record["ppo"]
     assert ppo["steps"] == 3 and len(ppo["seconds"]["time/generate_s"]) == 3
@@ -54,6 +56,7 @@ def test_the_ppo_part_measures_what_issue_34_asks(record):
     assert ppo["planned"]["peak_gib"] > 0
 
 
+@pytest.mark.slow
 def test_the_merged_part_plans_and_runs_the_dense_copy(record):
     merged, plain = record["ppo_merged"], record["ppo"]
     assert merged["merged_rollout"] is True and plain["merged_rollout"] is False
@@ -64,6 +67,7 @@ def test_the_merged_part_plans_and_runs_the_dense_copy(record):
     assert merged["phase_memory"] == {} and merged["memory_peak"]["outside_allocator_gib"] is None
 
 
+@pytest.mark.slow
 def test_the_fast_part_runs_the_static_cache_at_the_planned_micro_batch(record):
     """ppo_fast: the merged copy with a static KV cache and TIS, at the micro-batch preflight picks (the whole
     minibatch of 2 fits the nominal 80 GiB at this reduced shape); per-step log-prob gaps and TIS weights; the
@@ -79,6 +83,7 @@ def test_the_fast_part_runs_the_static_cache_at_the_planned_micro_batch(record):
     assert fast["checks"]["step <= 10 s (median after the first)"] is None  # a GPU's check
 
 
+@pytest.mark.slow
 def test_a_part_leaves_no_model_alive_for_the_next(tmp_path, monkeypatch):
     """Reference cycles (hooks, the step-counting closure) kept a finished part's trainer allocated until some
     later collection: on the H100, ppo after ppo_merged started with 17.1 GiB left over. main() collects between
@@ -102,6 +107,7 @@ def test_a_part_leaves_no_model_alive_for_the_next(tmp_path, monkeypatch):
     assert alive_at_next == [[], [False]]
 
 
+@pytest.mark.slow
 def test_the_sampling_part_sees_bf16_rounding_of_the_lora_update(record):
     """A merged bf16 copy loses a large part of an early LoRA update (RMS 1e-4 on weights of scale 0.02); fp32 none."""
     s = record["sampling"]
@@ -112,6 +118,7 @@ def test_the_sampling_part_sees_bf16_rounding_of_the_lora_update(record):
     assert set(s["generate"]) == {"adapter", "merged"} and set(s["update"]) == {"micro_batch_1", "micro_batch_2"}
 
 
+@pytest.mark.slow
 def test_the_stage_parts_run_every_stage(record):
     assert set(record["stages"]["stages"]) == {"sft", "merge", "rm", "ma-ppo", "evaluate", "export_merge"}
     assert record["stages"]["stages"]["merge"]["disk_gib"] > 0

@@ -89,6 +89,7 @@ def test_checkpointing_works_on_transformers_without_the_new_name(monkeypatch):
     assert called and called[0]["use_reentrant"] is False
 
 
+@pytest.mark.slow
 def test_the_pipeline_frees_a_finished_stage_before_the_next(tmp_path, monkeypatch):
     """A trl trainer sits in reference cycles, so its model outlives the stage until the cyclic collector runs (on
     an H100 the PPO stage started with 3.5 GiB left by the reward model). The pipeline collects after each stage."""

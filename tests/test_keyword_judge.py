@@ -82,6 +82,7 @@ def test_judge_agreement_auc():
         judge_agreement([sample("refusal", 1.0)])
 
 
+@pytest.mark.slow
 def test_ppo_stage_judges_hh_rlhf_runs_before_and_after(tmp_path, monkeypatch):
     """The stage picks the keyword judge for hh-rlhf data, scores answers as the reward model was trained, and
     keeps every judged answer (a resumed run keeps the original 'before')."""

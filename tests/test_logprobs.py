@@ -70,6 +70,7 @@ def test_entropy_matches_categorical(gen, monkeypatch):
     assert torch.allclose(entropy_from_logits(torch.zeros(1, 1, 64)), torch.log(torch.tensor(64.0)))
 
 
+@pytest.mark.slow
 def test_peak_memory_well_below_naive_at_llama_vocab():
     shape = dict(batch=4, tokens=256, vocab=32000)  # 125 MiB of fp32 logits
     naive_peak = run_isolated("marlhf_edu.memory:logprob_workload", method="naive", **shape)

@@ -164,6 +164,7 @@ TINY = dict(batch_size=16, mini_batch_size=16, micro_batch_size=8, forward_batch
 ], ids=["four-full", "four-lora", "ma-shared-nf4", "ma-adapter-nf4", "ma-adapter-nf4-plain", "ma-adapter-fp32",
         "four-full-ckpt", "ma-adapter-nf4-ckpt", "four-shared-head", "four-shared-head-lora-merged",
         "ma-shared-nf4-merged", "four-shared-head-merged-reward"])
+@pytest.mark.slow
 def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backend_cls, overrides):
     config = PPOConfig(output_dir=str(tmp_path), **{**TINY, **overrides})
     torch.manual_seed(0)
@@ -182,6 +183,7 @@ def test_planner_agrees_with_measurement_on_tiny_models(tmp_path, prompts, backe
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+@pytest.mark.slow
 def test_planner_matches_one_ma_ppo_step_at_llama_2_7b_width(tmp_path, checkpointing):
     """One decoder layer of Llama-2-7B's widths in NF4, policy + value LoRA r=64, reward LoRA r=32: ~1 min on CPU."""
     result = real_width_check(tmp_path, num_layers=1, value_mode="adapter", lora_r=64, reward_r=32,

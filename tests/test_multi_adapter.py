@@ -21,6 +21,7 @@ def build(tmp_path, backend_cls, prompts, **overrides):
     return build_trainer(tmp_path, backend_cls, prompts, SMALL, **overrides)
 
 
+@pytest.mark.slow
 def test_first_minibatch_matches_four_model_ppo_with_a_shared_head(tmp_path, prompts):
     """`shared` trains the policy adapter with the value loss too, so it equals four-model PPO only up to the first
     optimizer step: compare the rollout statistics and the first minibatch's losses."""
@@ -49,6 +50,7 @@ def _copy_lora_a(four: FourModelBackend, ma: MultiAdapterBackend) -> None:
                     ma_params[target].copy_(p)
 
 
+@pytest.mark.slow
 def test_two_steps_with_two_minibatches_match_four_model_ppo(tmp_path, prompts):
     """With a value adapter, MA-PPO is four-model PPO with LoRA actor and critic on one fp32 base: after two steps
     of two minibatches each (four optimizer steps), the records and the trained weights agree."""

@@ -60,6 +60,7 @@ def smoke(tmp_path_factory):
                                                     cache=root / "cache")}
 
 
+@pytest.mark.slow
 def test_the_7b_shaped_pipeline_runs_end_to_end(smoke):
     out = smoke["out"]
     for stage, sub in (("sft", "sft"), ("rm", "rm"), ("ma-ppo", "ma_ppo")):
@@ -85,6 +86,7 @@ def test_the_7b_shaped_pipeline_runs_end_to_end(smoke):
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}, sub
 
 
+@pytest.mark.slow
 def test_the_smoke_run_keeps_the_recipe(smoke):
     """Every stage's parsed config equals the 7B config's, except the keys a CPU smoke run must change."""
     import copy
@@ -106,6 +108,7 @@ def test_the_smoke_run_keeps_the_recipe(smoke):
             assert b[0]["load_in_4bit"] and b[0]["gradient_checkpointing"] and b[0]["actor_lora_r"] == 64
 
 
+@pytest.mark.slow
 def test_preflight_checks_the_smoke_model(smoke, capsys):
     """The meta-device build of the smoke model's config.json has the parameters the planner counts and the model has."""
     import math
@@ -123,6 +126,7 @@ def test_preflight_checks_the_smoke_model(smoke, capsys):
     assert result["fits"]
 
 
+@pytest.mark.slow
 def test_a_stopped_stage_resumes_and_finished_ones_are_skipped(smoke, tmp_path):
     """SFT finished, the reward model stopped after its first checkpoint: the pipeline skips SFT and resumes RM."""
     out = tmp_path / "run"
@@ -226,6 +230,7 @@ def test_resume_options_per_stage(tmp_path):
     assert resume_argv(ppo, tmp_path) == ["--resume", "true"]
 
 
+@pytest.mark.slow
 def test_evaluate_the_smoke_policy_with_the_keyword_judge(smoke):
     """`marlhf-edu evaluate` on the 7B-shaped run's exported policy and reward adapter (its base read from the
     adapter): the keyword judge's requests and benign questions, every answer scored and written."""

@@ -319,6 +319,7 @@ def _strip_timing(records):
     return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore"}
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -350,6 +351,7 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
     assert state["step"] == 6 and state["data_position"] == 48 and "value" in state["kl_controller"]
 
 
+@pytest.mark.slow
 def test_training_curves_plot(tmp_path, prompts):
     import matplotlib
 
@@ -410,6 +412,7 @@ def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path, prompts, v
     assert not proof.exists(), "resuming ran code from the checkpoint"
 
 
+@pytest.mark.slow
 def test_the_command_prints_one_bar_a_table_and_no_library_warnings(tmp_path):
     """Issue 36: `marlhf-edu ma-ppo` printed transformers' "Loading weights" bars, a FutureWarning that peft
     triggers inside transformers, and its before/after evaluation as raw JSON lines."""

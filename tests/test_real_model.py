@@ -76,6 +76,7 @@ def test_chat_template_rows_and_prefix_property(smol_tokenizer):
     assert (pairs[0]["prompt"], pairs[0]["chosen"]) == (first["prompt"], first["completion"])
 
 
+@pytest.mark.slow
 def test_gguf_conversion_is_faithful(smol_tokenizer):
     """The cached safetensors copy computes what transformers' own GGUF loading computes."""
     from transformers import AutoModelForCausalLM
@@ -172,6 +173,7 @@ def test_length_baseline_and_record_base(tmp_path):
     assert json.loads((tmp_path / "adapter_config.json").read_text()) == {"base_model_name_or_path": "smollm2", "r": 8}
 
 
+@pytest.mark.slow
 def test_gguf_metadata_is_read_from_the_header_as_gguf_reads_it():
     """`gguf_metadata` parses the key-value header itself (GGUFReader maps every tensor and takes seconds); the
     values it reads are the library's."""

@@ -140,6 +140,20 @@ def test_ci_runs_the_readme_command():
     assert "make test" in (ROOT / "README.md").read_text() and "make book" in (ROOT / "README.md").read_text()
 
 
+def test_make_test_runs_the_slow_tests_and_test_fast_leaves_them_out(pytestconfig):
+    """Issue 60: `make test` (what CI runs) deselects nothing; `make test-fast` is the tests without those marked
+    slow and without the notebooks; the marker is registered (and --strict-markers refuses a misspelt one)."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipes = dict(re.findall(r"^([\w-]+):[^=\n]*\n\t(.*)", makefile, re.M))
+    test, fast = recipes["test"].split(), recipes["test-fast"]
+    test = test[test.index("pytest") + 1:]  # pytest's arguments (`python -m pytest` has a -m of its own)
+    assert {"tests", "notebooks"} <= set(test) and "-m" not in test and "-k" not in test and "slow" not in test
+    assert '-m "not slow"' in fast and "tests" in fast.split() and "notebooks" not in fast
+    assert "test-fast" in re.search(r"^\.PHONY:(.*)", makefile, re.M).group(1).split()
+    assert any(m.startswith("slow:") for m in pytestconfig.getini("markers"))
+    assert "--strict-markers" in pytestconfig.getini("addopts")
+
+
 @pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")), ids=lambda p: p.stem)
 def test_every_figure_has_a_caption_and_a_name(nb_path):
     """Issue 36: a figure the site shows gets a number and a caption (myst-nb reads them from the cell's

@@ -38,6 +38,7 @@ def test_fit_checks_its_input():
         fit_bradley_terry_head(chosen[:6], rejected[:6])
 
 
+@pytest.mark.slow
 def test_probe_score_head_fills_the_head_and_beats_a_random_one():
     from transformers import AutoModelForSequenceClassification
 
@@ -74,6 +75,7 @@ def test_stage_rejects_an_unknown_head_init(tmp_path):
         run_rm(*args)
 
 
+@pytest.mark.slow
 def test_stage_trains_from_the_probed_head(tmp_path):
     """`score_head_init: probe` in the stage: the head peft saves starts at the probe's fit (learning rate 0 keeps
     it there), and a random init does not."""

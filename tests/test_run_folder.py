@@ -123,6 +123,7 @@ def _steps(out):
 
 
 @pytest.mark.parametrize("damage", ["zeroed 4 KiB in the weights", "truncated optimizer", "broken state.json"])
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage, capsys):
     """Issue 37 item 10: every file carries a sha256; a damaged latest checkpoint is skipped (said so) and the run
     resumes from the one before, ending exactly where the undamaged run ends."""

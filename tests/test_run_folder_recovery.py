@@ -165,6 +165,7 @@ def test_a_damaged_evaluation_record_is_set_aside_and_the_policy_is_still_export
 
 # ---- item 6: a run stopped before its first checkpoint ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_starts_over_on_resume(tmp_path, monkeypatch, capsys):
     """Killed in the first `save_steps` steps, a run could be neither continued ("no checkpoint") nor restarted
     ("pass --resume true"). Now `--resume true` starts it over from step 0, saying so, with the stopped run's

@@ -99,6 +99,7 @@ def site():
 API_PAGES = [f"api/{p.stem}.html" for p in sorted((ROOT / "site" / "api").glob("*.md"))]
 
 
+@pytest.mark.slow
 def test_site_pages_exist(site):
     for name in ["index.html", "search.html", "api.html", "chapters/05_gae.html", "_static/mathjax/tex-chtml.js"]:
         assert (SITE / name).exists(), name
@@ -144,6 +145,7 @@ PAGES = sorted(["index.html", "api.html", "search.html", "genindex.html", "py-mo
 
 
 @pytest.mark.parametrize("name", PAGES)
+@pytest.mark.slow
 def test_no_raw_latex_and_figures_load(browser, site, name):
     page = open_page(browser, site + name)
     prose = page.evaluate(VISIBLE_PROSE)
@@ -156,6 +158,7 @@ def test_no_raw_latex_and_figures_load(browser, site, name):
 
 
 @pytest.mark.parametrize("name", ["index.html", "chapters/05_gae.html", "chapters/06_ppo_losses.html"])
+@pytest.mark.slow
 def test_math_rendered_and_screenshot(browser, site, name):
     page = open_page(browser, site + name)
     rendered = page.evaluate("() => document.querySelectorAll('mjx-container').length")
@@ -174,6 +177,7 @@ def test_math_rendered_and_screenshot(browser, site, name):
     page.close()
 
 
+@pytest.mark.slow
 def test_every_internal_link_resolves(browser, site):
     """Every same-site link on every page answers 200, and every #anchor exists on its target page."""
     ids: dict[str, set[str]] = {}
@@ -199,6 +203,7 @@ def test_every_internal_link_resolves(browser, site):
     assert not problems, "\n".join(sorted(set(problems))[:20])
 
 
+@pytest.mark.slow
 def test_search_finds_the_gae_chapter(browser, site):
     page = browser.new_page()
     page.goto(site + "search.html?q=advantage", wait_until="load")
@@ -211,6 +216,7 @@ def test_search_finds_the_gae_chapter(browser, site):
     page.close()
 
 
+@pytest.mark.slow
 def test_previous_next_navigation(browser, site):
     page = open_page(browser, site + "chapters/05_gae.html")
     prev = page.locator("a.left-prev").get_attribute("href")
@@ -230,6 +236,7 @@ TOO_WIDE = """() => {
 }"""
 
 
+@pytest.mark.slow
 def test_outputs_wrap_to_the_text_column(browser, site):
     """Cell outputs wrap the lines that do not fit (site/_static/marlhf.css); with the theme's defaults 155 output
     blocks of the book scrolled sideways at this width, among them the exercise checkers' FAIL lines. Only an
@@ -277,6 +284,7 @@ WRAPPED_ROWS = """() => {
 }"""
 
 
+@pytest.mark.slow
 def test_code_and_aligned_tables_fit_the_column(browser, site):
     """At 1280 px the text column holds the chapters' code (written to about 120 characters a line) and aligned
     text tables unwrapped: with the theme's column (690 px) 89 of the 123 code cells of chapters 10, 13 and 15
@@ -311,6 +319,7 @@ def test_code_and_aligned_tables_fit_the_column(browser, site):
     assert cells >= 90 and sum(map(len, scrolling.values())) <= 0.05 * cells, (cells, scrolling)
 
 
+@pytest.mark.slow
 def test_tables_render_and_outputs_keep_their_quotes(browser, site):
     """A chapter's Table output is an HTML table on the site (site/conf.py reads Markdown outputs as GitHub
     Markdown), and an output shows what the code printed: chapter 13's table of the answers' openings keeps the
@@ -328,6 +337,7 @@ def test_tables_render_and_outputs_keep_their_quotes(browser, site):
     assert "“I’m sorry for any confusion" in prose  # the prose quoting an answer
 
 
+@pytest.mark.slow
 def test_answers_are_folded_and_closed(browser, site):
     """The site shows the instructor copies with every answer folded (tools/book.py fold_answers): each model
     answer in a closed <details>, the exercise's solution source behind myst-nb's closed toggle."""
@@ -349,6 +359,7 @@ def test_answers_are_folded_and_closed(browser, site):
     page.close()
 
 
+@pytest.mark.slow
 def test_problem_sets_are_pages_with_their_fixes_folded(browser, site):
     """The problem sets are pages of the site (tools/book.py stage_site), listed in the navigation and the front
     page's contents under their own caption, with every fix (a solution cell) and every graded cell's hidden cases
@@ -375,6 +386,7 @@ def test_problem_sets_are_pages_with_their_fixes_folded(browser, site):
     page.close()
 
 
+@pytest.mark.slow
 def test_the_front_page_shows_the_pipeline_and_the_reading_path(browser, site):
     """The front page shows the README's pipeline figure (the file in docs/figures/) and its reading path, each
     chapter and problem set linked to its page."""

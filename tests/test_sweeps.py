@@ -8,6 +8,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+pytestmark = pytest.mark.slow  # each runs a sweep of short training runs
 
 
 def test_goodhart_sweep_writes_what_chapter_11_reads(tmp_path):

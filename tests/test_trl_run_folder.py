@@ -20,6 +20,7 @@ LORA = ["--model_name_or_path", "marlhf_edu/assets/tiny_sft", "--use_peft", "tru
         "v_proj"]
 
 
+@pytest.mark.slow
 def test_overwriting_a_lora_run_with_a_full_one_leaves_only_the_new_model(tmp_path):
     """The LoRA run's `adapter_config.json` stayed beside the full model that replaced it, and a folder with an
     `adapter_config.json` is read as an adapter: every later stage loaded the old model, without a word."""
@@ -72,6 +73,7 @@ def test_remove_run_outputs_removes_the_runs_files_by_name_and_nothing_else(tmp_
     assert sorted(p.name for p in out.iterdir()) == sorted([*mine, "config.json"])
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_true_continues_the_newest_complete_checkpoint(tmp_path, monkeypatch, capsys):
     """SFT, 2 steps saved every step, then `--resume_from_checkpoint true` to 4 steps: it starts from checkpoint-2
     (not from scratch, and not from checkpoint-3, which a kill while saving left without its trainer_state.json)."""
@@ -102,6 +104,7 @@ def test_resume_from_checkpoint_true_continues_the_newest_complete_checkpoint(tm
 
 
 @pytest.mark.parametrize("stage", sorted(TRL_STAGES))
+@pytest.mark.slow
 def test_every_trl_stage_reads_true_as_the_newest_complete_checkpoint(tmp_path, monkeypatch, stage):
     """The four stages hand trl the newest complete checkpoint-N (by number: checkpoint-10 after checkpoint-9),
     not the text "true"; trl's training is stopped there, before it starts."""

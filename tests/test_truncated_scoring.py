@@ -84,6 +84,7 @@ def test_step_records_split_the_score_by_eos_status(tmp_path, prompts):
     assert record["response/no_eos_rate"] == pytest.approx(float((~r.has_eos).float().mean()))
 
 
+@pytest.mark.slow
 def test_periodic_held_out_evaluation_leaves_training_unchanged(tmp_path, prompts):
     from marlhf_edu.ppo.judging import periodic_evaluation
 

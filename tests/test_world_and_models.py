@@ -174,6 +174,7 @@ def test_reward_stage_refuses_lora_without_trained_head(tmp_path):
         run_rm(*args)
 
 
+@pytest.mark.slow
 def test_qlora_is_a_config_switch(tmp_path):
     """The same SFT stage, with load_in_4bit + LoRA, trains on CPU through bitsandbytes."""
     import json
@@ -207,6 +208,7 @@ def test_qlora_is_a_config_switch(tmp_path):
     assert all(m.support_avx512bf16_for_cpu is False for m in linear4)
 
 
+@pytest.mark.slow
 def test_an_interrupted_zoo_rebuild_leaves_the_installed_assets_as_they_were(tmp_path, monkeypatch):
     """Issue 37 item 15: the rebuild builds beside the assets and swaps at the end."""
     import shutil
