@@ -24,7 +24,7 @@ from marlhf_edu.loading.adapters import RewardAdapter, check_same_vocabulary
 from marlhf_edu.loading.sources import load_tokenizer, record_base, resolve_zoo, same_model_path
 from marlhf_edu.ppo.backends import FourModelBackend, PPOBackend
 from marlhf_edu.ppo.distributed import DataParallel
-from marlhf_edu.ppo.judging import evaluation_judge, judge_policy, periodic_evaluation
+from marlhf_edu.ppo.judging import evaluation_judge, evaluation_table, judge_policy, periodic_evaluation
 from marlhf_edu.ppo.run_files import RunLock, check_run_folder, set_aside_stopped_run
 from marlhf_edu.ppo.trainer import PPOTrainer, check_prompt_lengths
 
@@ -106,6 +106,14 @@ def engine_of(backend_factory) -> type[PPOBackend]:
         return backend_factory
     owner = getattr(backend_factory, "__self__", None)
     return owner if isinstance(owner, type) and issubclass(owner, PPOBackend) else FourModelBackend
+
+
+def print_evaluation(result: dict, config) -> None:
+    """What `marlhf-edu ppo` and `ma-ppo` print after a run: the before/after table of the held-out evaluation
+    (rank 0, when the run had one) and where its records are."""
+    if result["trainer"].dp.is_main and ("before" in result or "after" in result):
+        print(evaluation_table(result.get("before", {}), result.get("after", {})))
+        print(f"(the held-out evaluation, and the answers it read: {config.output_dir}/eval.json, eval_samples.jsonl)")
 
 
 def check_before_loading(config, engine: type[PPOBackend] = FourModelBackend

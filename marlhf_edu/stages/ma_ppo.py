@@ -9,16 +9,13 @@ config checks) holds here; only the backend differs. Taught in chapter 10.
 from __future__ import annotations
 
 from marlhf_edu.ppo.config import PPOConfig
-from marlhf_edu.ppo.judging import evaluation_table
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-from marlhf_edu.ppo.run import run
+from marlhf_edu.ppo.run import print_evaluation, run
 from marlhf_edu.training.args import parse_stage_args
 
 
 def main(argv: list[str] | None = None, progress: bool = True):
     (config,) = parse_stage_args((PPOConfig,), argv)
     result = run(config, MultiAdapterBackend, progress=progress)
-    if result["trainer"].dp.is_main and ("before" in result or "after" in result):
-        print(evaluation_table(result.get("before", {}), result.get("after", {})))
-        print(f"(the held-out evaluation, and the answers it read: {config.output_dir}/eval.json, eval_samples.jsonl)")
+    print_evaluation(result, config)
     return result

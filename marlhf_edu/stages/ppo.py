@@ -13,8 +13,7 @@ Taught in chapter 09.
 from __future__ import annotations
 
 from marlhf_edu.ppo.config import PPOConfig
-from marlhf_edu.ppo.judging import evaluation_table
-from marlhf_edu.ppo.run import run
+from marlhf_edu.ppo.run import print_evaluation, run
 from marlhf_edu.training.args import parse_stage_args
 
 
@@ -23,7 +22,5 @@ def main(argv: list[str] | None = None, backend_factory=None, progress: bool = T
     (`backend_factory`, as `ppo.run.run` takes it)."""
     (config,) = parse_stage_args((PPOConfig,), argv)
     result = run(config, backend_factory, progress=progress)
-    if result["trainer"].dp.is_main and ("before" in result or "after" in result):
-        print(evaluation_table(result.get("before", {}), result.get("after", {})))
-        print(f"(the held-out evaluation, and the answers it read: {config.output_dir}/eval.json, eval_samples.jsonl)")
+    print_evaluation(result, config)
     return result
