@@ -153,6 +153,34 @@ def test_a_run_without_slow_tensors_never_enters_the_mode(monkeypatch):
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
+def test_the_watching_hook_goes_once_every_module_is_checked_and_returns_for_a_new_model(monkeypatch):
+    """While a global forward hook is registered every module call takes PyTorch's slower path, so an fp32 run
+    keeps it only until the modules alive or built so far are checked. A model built later arms it again, and a
+    bf16 one is found at the next module call, whichever module runs."""
+    monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    fp32 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with fp32_products_where_needed() as mode:
+        assert len(hooks) == before + 1
+        fp32(torch.randn(2, 4))
+        assert len(hooks) == before and not mode.entered  # all checked: the hook went
+        for _ in range(50):
+            fp32(torch.randn(2, 4))
+        assert len(hooks) == before and not mode.entered
+        fp32.append(torch.nn.Linear(4, 4))  # an fp32 module built: the hook is back until it is checked
+        assert len(hooks) == before + 1
+        fp32(torch.randn(2, 4))
+        assert len(hooks) == before and not mode.entered
+        half = torch.nn.Linear(4, 4, dtype=torch.bfloat16)  # a bf16 one: found at the next call of any module
+        assert len(hooks) == before + 1
+        fp32(torch.randn(2, 4))
+        assert mode.entered and len(hooks) == before
+        half(torch.randn(2, 4, dtype=torch.bfloat16))
+        assert mode.count == 1
+    assert len(hooks) == before and torch._C._len_torch_dispatch_stack() == 0
+
+
 def test_the_mode_is_not_pushed_above_another_dispatch_mode(monkeypatch):
     """Pushed above a library's own mode it could be popped in that mode's place; it waits for an empty stack."""
     monkeypatch.setenv("MARLHF_EDU_FP32_PRODUCTS", "1")

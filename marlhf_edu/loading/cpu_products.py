@@ -20,9 +20,9 @@ operations are not rerouted: `mv`, `addmv`, `dot`, `.out` overloads, fused CPU a
 forward, whose x @ Wᵀ layout PyTorch computes at 0.5 s for the product above) run PyTorch's own kernels. Costs: every operation passes
 through the mode's Python dispatch while it is on, and each rerouted product holds fp32 copies of its two inputs
 for its duration (0.5 GiB for a 7B language-model head). So the mode is entered only where a run holds such
-tensors: inside `fp32_products_where_needed()` a global forward pre-hook watches the modules that run, and the
-first module with a parameter or buffer of a slow dtype on the CPU enters the mode (the hook then goes); an fp32
-run never enters it and pays one cheap hook call per module call instead of Python dispatch for every operation.
+tensors: inside `fp32_products_where_needed()` a global forward pre-hook checks each module not yet checked when
+it runs (`_Watcher`), and the first with a parameter or buffer of a slow dtype on the CPU enters the mode; an fp32
+run never enters it, and once every module it built has been checked the hook goes until the next model is built.
 Where the CPU has bf16 kernels, or on a machine with a GPU, it is off (a CPU-only run on a GPU host can set
 `MARLHF_EDU_FP32_PRODUCTS=1`). Every `marlhf-edu` command and every stage `run_pipeline` starts runs inside it.
 `MARLHF_EDU_FP32_PRODUCTS=1` treats bf16 and fp16 as slow everywhere, `=0` turns it off.
@@ -33,8 +33,10 @@ Taught in chapter 15.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import threading
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -110,32 +112,82 @@ def holds_slow_tensors(module: torch.nn.Module, dtypes: tuple[torch.dtype, ...])
     return False
 
 
+def _materialized(module: torch.nn.Module) -> bool:
+    """Whether every tensor `module` itself holds has storage (not `meta`: transformers builds models there first)."""
+    return not any(t is not None and t.is_meta for tensors in (module._parameters, module._buffers)
+                   for t in tensors.values())
+
+
+class _Watcher:
+    """Finds the first module holding a tensor of `dtypes` on the CPU, and enters `mode` then.
+
+    A global forward pre-hook sees every module call, and while any global hook is registered every call of every
+    module takes PyTorch's slower path (8 % of a tiny MA-PPO step, measured with the ISA limited to AVX2). So the
+    hook is armed only while some module remains unchecked: the modules alive at the start, and every module that
+    registers a parameter or buffer afterwards (a model being built), are `pending` until checked, at a hook call,
+    once their tensors have storage. With none pending the forward hook goes; the registration hooks stay and arm
+    it again when the next model is built. Not seen: a module cast in place to a slow dtype after it was checked
+    (`.to(torch.bfloat16)`); its products then run PyTorch's own kernels, slower but the same numbers."""
+
+    def __init__(self, mode: Fp32Products, dtypes: tuple[torch.dtype, ...]):
+        self.mode, self.dtypes, self.forward_hook = mode, dtypes, None
+        # type(), not isinstance: isinstance reads __class__, which some of the heap's proxies warn on
+        self.pending = weakref.WeakSet(m for m in gc.get_objects() if issubclass(type(m), torch.nn.Module))
+        module_hooks = torch.nn.modules.module
+        self.registration_hooks = [module_hooks.register_module_parameter_registration_hook(self.registered),
+                                   module_hooks.register_module_buffer_registration_hook(self.registered)]
+        self.arm()
+
+    def arm(self) -> None:
+        if self.forward_hook is None:
+            self.forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self.check)
+
+    def registered(self, module, name, tensor):
+        self.pending.add(module)
+        self.arm()
+
+    def check(self, module, args):
+        # only from an empty dispatch stack: a mode pushed above another one (a library's) could be popped in its place
+        if torch._C._len_torch_dispatch_stack() != 0:
+            return
+        self.pending.add(module)  # the module being called is checked first
+        for m in [module, *self.pending]:
+            if not _materialized(m):
+                continue
+            if holds_slow_tensors(m, self.dtypes):
+                self.mode.__enter__()
+                self.mode.entered = True
+                self.remove()
+                return
+            self.pending.discard(m)
+        if not self.pending:
+            self.forward_hook.remove()
+            self.forward_hook = None
+
+    def remove(self) -> None:
+        for handle in [self.forward_hook, *self.registration_hooks]:
+            if handle is not None:
+                handle.remove()
+        self.forward_hook, self.registration_hooks = None, []
+
+
 @contextlib.contextmanager
 def fp32_products_where_needed():
-    """Inside: the CPU products of `slow_dtypes()` in fp32, from the first forward of a module that holds a tensor
-    of one of them (nothing where `slow_dtypes()` is empty, nothing in a run that never holds one). Nested uses
-    share one mode. Yields the `Fp32Products` mode (its `entered` says whether a module entered it), or None where
-    it is off."""
+    """Inside: the CPU products of `slow_dtypes()` in fp32, from the first forward of a module once a module holding
+    a tensor of one of them is found (nothing where `slow_dtypes()` is empty, nothing in a run that never holds
+    one; `_Watcher` finds it). Nested uses share one mode. Yields the `Fp32Products` mode (its `entered` says
+    whether it was entered), or None where it is off."""
     dtypes = slow_dtypes()
     if getattr(_active, "mode", None) is not None or not dtypes:
         yield getattr(_active, "mode", None)
         return
     mode = Fp32Products(dtypes)
-    handle = None
-
-    def enter_on_first_slow_module(module, args):
-        # only from an empty dispatch stack: a mode pushed above another one (a library's) could be popped in its place
-        if holds_slow_tensors(module, dtypes) and torch._C._len_torch_dispatch_stack() == 0:
-            mode.__enter__()
-            mode.entered = True
-            handle.remove()
-
     _active.mode = mode
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(enter_on_first_slow_module)
+    watcher = _Watcher(mode, dtypes)
     try:
         yield mode
     finally:
-        handle.remove()
+        watcher.remove()
         _active.mode = None
         if mode.entered:
             mode.__exit__(None, None, None)

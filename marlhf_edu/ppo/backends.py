@@ -35,7 +35,7 @@ from marlhf_edu.loading.sources import align_pad, load_tokenizer, resolve_model,
 from marlhf_edu.math.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.math.scoring import position_ids_from_mask, sequence_scores
 from marlhf_edu.ppo.checkpointing import checkpointed, enable_checkpointing
-from marlhf_edu.ppo.merged_rollout import MergedPolicy
+from marlhf_edu.ppo.merged_rollout import MergedPolicy, SampledLogprobs
 
 
 def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int,
@@ -66,11 +66,19 @@ def sequence_logprobs(model, input_ids, attention_mask, n_response: int, tempera
 
 @torch.no_grad()
 def sample(model, tokenizer, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
-           top_p: float = 1.0) -> torch.Tensor:
-    """`generate` with plain temperature sampling (top-k/top-p off unless set), pad and EOS from the tokenizer."""
-    return model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
-                          top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+           top_p: float = 1.0, with_logprobs: bool = False):
+    """`generate` with plain temperature sampling (top-k/top-p off unless set), pad and EOS from the tokenizer.
+
+    Returns the (B, P + R) ids; with `with_logprobs`, `(ids, logprobs)`: also the (B, R) log-probs the sampler
+    drew each new token with (`SampledLogprobs`)."""
+    from transformers import LogitsProcessorList
+
+    recorder = SampledLogprobs(temperature) if with_logprobs else None
+    ids = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
+                         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         logits_processor=LogitsProcessorList([recorder] if recorder else []))
+    return (ids, recorder.finish(ids)) if recorder else ids
 
 
 def value_head(hidden_size: int) -> nn.Linear:
@@ -147,8 +155,9 @@ class PPOBackend:
         raise NotImplementedError
 
     def generate(self, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
-                 top_p: float = 1.0) -> torch.Tensor:
-        """Sample with the KV cache; returns (B, P + R) token ids (R ≤ max_new_tokens)."""
+                 top_p: float = 1.0, with_logprobs: bool = False):
+        """Sample with the KV cache; returns (B, P + R) token ids (R ≤ max_new_tokens), and with `with_logprobs`
+        also the (B, R) log-probs each new token was drawn with (`sample`)."""
         raise NotImplementedError
 
     def policy_forward(self, input_ids, attention_mask, n_response: int, temperature: float,
@@ -207,7 +216,7 @@ class PPOBackend:
         """The model `generate` samples from: the merged copy (refreshed if stale) or the policy itself."""
         if self._merged is None:
             return self.policy_model
-        if self._merged.stale:
+        if self._merged.stale:  # after an update, or while it holds another adapter (merged_reward)
             self._merged.refresh()
         return self._merged.model
 

@@ -10,7 +10,12 @@ computes the same function with one plain matmul per layer. `MergedPolicy` holds
 compute dtype (fp32 on CPU, bf16 on CUDA), and samples from it; the PPO log-probs, values and gradients still
 come from the training path (adapter on the base), so the ratio is still exactly 1 at the first minibatch and
 every equivalence test of the engine holds. The two paths agree up to floating-point rounding
-(`tests/test_merged_rollout.py` states the tolerance).
+(`tests/test_rollout_speedups.py` states the tolerance).
+
+π_sampler, the probability each token was drawn with, is recorded while the copy samples (`SampledLogprobs`):
+log softmax(z / T) of the very logits `generate` drew from, so the gap the engine logs and the weights of
+truncated importance sampling (`tis_cap`) compare the policy with the sampler as it ran (its decode, its batch,
+its rounding), and no second forward pass over the copy is needed.
 
 The copy is rebuilt from the base after every update, never patched incrementally: subtracting the old
 delta and adding the new would let rounding accumulate over a run, and re-dequantizing costs one pass over the
@@ -66,11 +71,48 @@ def merged_linear_weight(module: nn.Module, adapter: str, dtype: torch.dtype) ->
     return weight
 
 
+class SampledLogprobs:
+    r"""A `generate` logits processor that records log π_sampler(y_t) of every token the sampler draws.
+
+    .. math:: \log\pi_{\text{sampler}}(y_t) = \log\operatorname{softmax}(z_t / T)_{y_t}
+
+    `z_t` are the logits at decode step t as `generate` hands them to its sampling warpers (transformers puts a
+    user's processors after its own, before temperature, top-k and top-p), so top-k/top-p truncation is not in
+    the number: π_train has none either. At step t the processor sees the ids up to y_{t−1}, so it picks the
+    previous step's log-prob and keeps one (B, V) fp32 row of log-probs at a time, never the (B, R, V) logits.
+    `finish(sequences)` picks the last token's and returns (B, R) fp32, R = the new tokens (a finished row's pad
+    tokens get the log-prob of pad; the response mask drops them).
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self._pending = None  # (B, V) log-probs of the step whose token is not yet drawn
+        self._picked = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._pending is not None:
+            self._picked.append(self._pending.gather(1, input_ids[:, -1:]))
+        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        if self._pending is not None:
+            self._picked.append(self._pending.gather(1, sequences[:, -1:]))
+            self._pending = None
+        if not self._picked:
+            return torch.zeros(sequences.shape[0], 0, device=sequences.device)
+        return torch.cat(self._picked, dim=1)
+
+
 class MergedPolicy:
     """A dense causal LM equal to `peft_model`'s base with adapter `adapter` merged, for sampling only.
 
     `refresh()` after the adapter changed; `stale` says whether it must be refreshed before the next sample.
     `cache`: "dynamic" (transformers' default) or "static" (see the module docstring).
+
+    `refresh(other)` merges another adapter of the same base instead (multi-adapter PPO's `merged_reward` scores
+    with the frozen reward adapter merged into this copy between two samples); `holds` names the adapter merged
+    in now, and the copy is stale for sampling until the policy is merged back.
     """
 
     def __init__(self, peft_model, adapter: str, dtype: torch.dtype | None = None, cache: str = "dynamic"):
@@ -107,8 +149,10 @@ class MergedPolicy:
         self.refresh()
 
     @torch.no_grad()
-    def refresh(self) -> None:
-        """Copy every weight of the base into the dense model, dequantized, with the adapter's delta added."""
+    def refresh(self, adapter: str | None = None) -> None:
+        """Copy every weight of the base into the dense model, dequantized, with `adapter`'s delta added (the
+        policy's by default)."""
+        adapter = adapter or self.adapter
         base = self.peft_model.get_base_model()
         source = dict(base.named_modules())
         linear = set()
@@ -116,7 +160,7 @@ class MergedPolicy:
             if isinstance(module, nn.Linear):
                 if name not in source:
                     raise KeyError(f"merged_rollout: the base has no module {name!r}")
-                module.weight.copy_(merged_linear_weight(source[name], self.adapter, self.dtype))
+                module.weight.copy_(merged_linear_weight(source[name], adapter, self.dtype))
                 layer = source[name].get_base_layer() if hasattr(source[name], "get_base_layer") else source[name]
                 bias = getattr(layer, "bias", None)
                 if (bias is None) != (module.bias is None):
@@ -132,7 +176,8 @@ class MergedPolicy:
             if name not in base_params:
                 raise KeyError(f"merged_rollout: the base has no parameter {name!r}")
             param.copy_(base_params[name].detach().to(self.dtype))
-        self.stale = False
+        self.holds = adapter
+        self.stale = adapter != self.adapter
 
     def nbytes(self) -> int:
         """Bytes the dense copy holds: parameters (tied ones once) and buffers (RoPE's frequencies)."""

@@ -38,7 +38,8 @@ from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer,
                                         same_model_path)
 from marlhf_edu.math.masked import last_valid_index
 from marlhf_edu.math.scoring import position_ids_from_mask
-from marlhf_edu.ppo.backends import PPOBackend, response_logprobs, response_values, sample, value_head
+from marlhf_edu.ppo.backends import (PPOBackend, response_logprobs, response_values, sample, split_causal_lm,
+                                     value_head)
 from marlhf_edu.ppo.checkpointing import enable_checkpointing
 from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
 
@@ -59,9 +60,11 @@ class MultiAdapterBackend(PPOBackend):
     shares_base = True
 
     def __init__(self, base, tokenizer, reward_adapter: RewardAdapter | str | pathlib.Path, *, value_mode: str = "shared",
-                 lora_r: int = 16, lora_alpha: int = 16, target_modules=None, seed: int = 0, critic_init: str = "zero"):
+                 lora_r: int = 16, lora_alpha: int = 16, target_modules=None, seed: int = 0, critic_init: str = "zero",
+                 merged_reward: bool = False):
         """`reward_adapter`: as `from_config` resolved and checked it, or an adapter folder (its head found and
-        checked when it is read)."""
+        checked when it is read). `merged_reward`: score from the merged rollout copy with the reward adapter
+        merged in (`scores`; needs `use_merged_rollout`)."""
         from peft import LoraConfig, get_peft_model
 
         if not isinstance(reward_adapter, RewardAdapter):
@@ -73,7 +76,7 @@ class MultiAdapterBackend(PPOBackend):
         if base.config.vocab_size < len(tokenizer):
             raise ConfigError(f"the tokenizer has {len(tokenizer)} ids but the base embeds only {base.config.vocab_size}: "
                               "ids past the embedding would fail or read another row")
-        self.tokenizer, self.value_mode = tokenizer, value_mode
+        self.tokenizer, self.value_mode, self.merged_reward = tokenizer, value_mode, merged_reward
         keep_nf4_trainable(base)
         base.requires_grad_(False)
         lora = dict(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
@@ -105,9 +108,10 @@ class MultiAdapterBackend(PPOBackend):
         if config.critic != "separate":
             raise ConfigError(f"critic: {config.critic} is a four-model option; multi-adapter PPO picks its critic with "
                               "value_mode ('shared': a head on the policy adapter, 'adapter': its own LoRA)")
-        if config.merged_reward:
-            raise ConfigError("merged_reward is a four-model option: multi-adapter PPO's reward adapter shares the "
-                              "policy's base, so it cannot be merged into it")
+        if config.merged_reward and not config.merged_rollout:
+            raise ConfigError("merged_reward: multi-adapter PPO's reward adapter shares the policy's base, so it is "
+                              "merged into the merged_rollout copy between samples, never into the base: it needs "
+                              "merged_rollout: true")
         _check_value_options(config.value_mode, config.critic_init)
 
     @classmethod
@@ -140,7 +144,7 @@ class MultiAdapterBackend(PPOBackend):
             base = base.to(device)
         return cls(base, tokenizer, reward, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
                    lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed,
-                   critic_init=config.critic_init)
+                   critic_init=config.critic_init, merged_reward=config.merged_reward)
 
     # ---- the trainable set, guarded ----------------------------------------------------------
 
@@ -231,8 +235,17 @@ class MultiAdapterBackend(PPOBackend):
 
     @torch.no_grad()
     def scores(self, input_ids, attention_mask):
-        with self._use_adapter("reward"):
-            hidden = self._hidden(input_ids, attention_mask)
+        if self.merged_reward:  # the dense copy with the frozen reward adapter merged: one matmul per layer, not three
+            if self._merged is None:
+                raise RuntimeError("merged_reward scores from the merged rollout copy: call use_merged_rollout first")
+            if self._merged.holds != "reward":
+                self._merged.refresh("reward")  # the next sample merges the policy back (`sampling_model`)
+            backbone, _ = split_causal_lm(self._merged.model)
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        else:
+            with self._use_adapter("reward"):
+                hidden = self._hidden(input_ids, attention_mask)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         last = hidden[rows, last_valid_index(attention_mask)]
         return self.reward_head(last.to(self.reward_head.weight.dtype)).squeeze(-1).float()

@@ -44,7 +44,7 @@ from marlhf_edu.math.kl import AdaptiveKLController, FixedKLController, kl_penal
 from marlhf_edu.math.masked import masked_mean, masked_var, masked_whiten
 from marlhf_edu.math.ppo_objective import ppo_loss
 from marlhf_edu.math.scoring import append_missing_eos, penalise_missing_eos, score_texts_with
-from marlhf_edu.ppo.backends import PPOBackend, sequence_logprobs
+from marlhf_edu.ppo.backends import PPOBackend
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
@@ -228,20 +228,25 @@ class PPOTrainer:
     def _chunks(self, n: int, size: int):
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
-    def _sample(self, prompt_ids, prompt_mask, chunk: int) -> torch.Tensor:
-        """Sampled (b, P + r) ids of one forward chunk; `chunk` counts chunks over the global batch."""
+    def _sample(self, prompt_ids, prompt_mask, chunk: int, with_logprobs: bool):
+        """Sampled (b, P + r) ids of one forward chunk, and with `with_logprobs` the (b, r) log-probs the sampler drew
+        them with; `chunk` counts chunks over the global batch."""
         cfg = self.config
-        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                        with_logprobs=with_logprobs)
         extra = 0
         if cfg.rollout_cache == "static":  # one prompt width for every step: one cache shape, one compiled decode step
             extra = max(0, cfg.max_prompt_length - prompt_ids.shape[1])
             prompt_ids, prompt_mask = left_pad_to(prompt_ids, prompt_mask, cfg.max_prompt_length,
                                                   self.tokenizer.pad_token_id)
         if cfg.rollout_seeding == "stream":
-            return self.backend.generate(prompt_ids, prompt_mask, **sampling)[:, extra:]
-        with fork_all_rngs():
-            torch.manual_seed(chunk_seed(cfg.seed, self.step_index, chunk))
-            return self.backend.generate(prompt_ids, prompt_mask, **sampling)[:, extra:]
+            out = self.backend.generate(prompt_ids, prompt_mask, **sampling)
+        else:
+            with fork_all_rngs():
+                torch.manual_seed(chunk_seed(cfg.seed, self.step_index, chunk))
+                out = self.backend.generate(prompt_ids, prompt_mask, **sampling)
+        ids, logprobs = out if with_logprobs else (out, None)
+        return ids[:, extra:], logprobs
 
     @torch.no_grad()
     def rollout(self, prompts: list[str]) -> Rollout:
@@ -255,8 +260,12 @@ class PPOTrainer:
         chunks = self._chunks(B, cfg.forward_batch_size)
         first_chunk = dp.rank * len(chunks)
 
-        with self.timer("generate"):
-            responses = [self._sample(prompt_ids[c], prompt_mask[c], first_chunk + i)[:, P:] for i, c in enumerate(chunks)]
+        with self.timer("generate"):  # (a stale merged copy is rebuilt here)
+            # sampled from a separate copy (merged_rollout): keep the log-probs each token was drawn with, π_sampler
+            separate_sampler = be.sampling_model() is not be.policy_model
+            drawn = [self._sample(prompt_ids[c], prompt_mask[c], first_chunk + i, separate_sampler)
+                     for i, c in enumerate(chunks)]
+        responses = [ids[:, P:] for ids, _ in drawn]
         R = dp.max_int(max(r.shape[1] for r in responses))
         response = torch.cat([torch.nn.functional.pad(r, (0, R - r.shape[1]), value=tok.pad_token_id) for r in responses])
         response_mask = response_mask_from_ids(response, tok.eos_token_id)
@@ -297,10 +306,8 @@ class PPOTrainer:
                 ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
         logprobs, values, entropy, ref_logprobs = (torch.cat(x).float() for x in (logprobs, values, entropy, ref_logprobs))
         logprob_gap = tis_weights = None
-        if be.sampling_model() is not be.policy_model:  # sampled from a separate copy (merged_rollout)
-            with self.timer("policy"):  # the copy's log-probs in the same rows, so batch shape adds nothing
-                sampled = torch.cat([sequence_logprobs(be.sampling_model(), input_ids[rows], attention_mask[rows], R,
-                                                       cfg.temperature)[0] for rows in micro]).float()
+        if separate_sampler:
+            sampled = torch.cat([torch.nn.functional.pad(lp, (0, R - lp.shape[1])) for _, lp in drawn]).float()
             # the training-inference mismatch: tokens drawn from the copy, trained on as if from the policy
             total, count = dp.gather(torch.stack([_masked_sum((sampled - logprobs).abs(), response_mask).sum(),
                                                   response_mask.sum().float()])[None]).sum(0)
