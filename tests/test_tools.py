@@ -78,3 +78,25 @@ def test_the_rule_sees_a_path_trick_and_not_the_repository_root():
     assert path_tricks("import sys\nsys.path.append(TOOLS_DIR)\n")
     assert not path_tricks("import sys\nsys.path.insert(0, str(ROOT))\n")
     assert imported_modules("from bench_ppo import machine\nimport marlhf_edu.records\n") == {"bench_ppo", "marlhf_edu"}
+
+
+def test_compare_trl_summarises_repeats_by_their_median():
+    """`compare_trl.py --repeats N`: per case and label, every repeat's trl ÷ ours, the median, and the repeat
+    whose ratio is the median (the run whose phases the chapter draws)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_trl", TOOLS / "compare_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def run(case, label, repeat, ours, trl):
+        return {"case": case, "repeat": repeat, "ours": {"label": label, "step_s": ours}, "trl": {"step_s": trl},
+                "trl_s_over_ours_s": round(trl / ours, 3)}
+
+    results = [run("lora", "a", 1, 1.0, 1.2), run("lora", "b", 1, 2.0, 1.2), run("lora", "a", 2, 1.0, 0.9),
+               run("lora", "b", 2, 2.0, 0.9), run("lora", "a", 3, 1.0, 1.0), run("lora", "b", 3, 2.0, 1.0)]
+    summary = {s["label"]: s for s in module.summarise_repeats(results)}
+    assert list(summary) == ["a", "b"]
+    assert summary["a"]["trl_s_over_ours_s"] == [1.2, 0.9, 1.0] and summary["a"]["median_trl_s_over_ours_s"] == 1.0
+    assert summary["a"]["median_repeat"] == 3 and summary["b"]["median_repeat"] == 3
+    assert summary["b"]["ours_step_s"] == [2.0, 2.0, 2.0] and summary["b"]["trl_step_s"] == [1.2, 0.9, 1.0]

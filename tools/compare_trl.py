@@ -1,6 +1,6 @@
 """This engine against trl 0.11.4's PPOTrainer (the engine MA-RLHF runs on), on the same work, back to back.
 
-    python tools/compare_trl.py --trl-python trl011/bin/python [--steps 10] [--out benchmarks/speed_vs_trl.json]
+    python tools/compare_trl.py --trl-python trl011/bin/python [--steps 10] [--repeats 3] [--out benchmarks/speed_vs_trl.json]
 
 trl 0.11.4 needs its own environment (it cannot share one with transformers 5); build it once, beside the repo:
 
@@ -11,7 +11,9 @@ trl 0.11.4 needs its own environment (it cannot share one with transformers 5); 
 
 The same work: the shipped tiny SFT model and reward model (its LoRA merged, scored in one batch at the last
 real token), the toy prompts in the order our trainer visits them, the batch shape of `configs/tiny_ppo.yaml`
-(64 rollouts, mini-batch 16, 32 new tokens at T = 1, 1 PPO epoch), AdamW, fp32, on this machine's cores. The
+(64 rollouts, mini-batch 16, 32 new tokens at T = 1, 1 PPO epoch), AdamW with the gradient norm clipped at our
+config's `max_grad_norm` (1.0, as MA-RLHF's PPO config has it; trl's default is no clipping), fp32, on this
+machine's cores. The
 models are written in transformers 4.44's format first (its config keys; BPE merges as "a b" strings, which
 tokenizers of that era need). Each engine runs in a fresh process, one after the other; the mean of steps
 3 … N of each is reported (the first steps pay for warm-up), with each engine's mean response length, since the
@@ -22,8 +24,9 @@ Cases (ours, then trl's):
                `--merged_reward true` (the reward LoRA merged, as trl's side has it), against trl's
                AutoModelForCausalLMWithValueHead with a separate reference copy;
     lora       `ma-ppo --load_in_4bit false --value_mode shared` (LoRA r = 16 on all linear layers, value head on
-               the policy) with and without `--merged_rollout true`, against trl with the same peft LoRA
-               (reference = adapter disabled).
+               the policy) with and without `--merged_rollout true`, and with `--merged_reward true` too (the
+               reward adapter merged into the sampling copy to score, as trl's side scores with merged weights),
+               against trl with the same peft LoRA (reference = adapter disabled).
 Not part of `make test`; its output is stored in `benchmarks/` and quoted by site/benchmarks.md.
 """
 
@@ -47,7 +50,9 @@ OURS = {  # case → [(label, command, overrides)]
              ("critic: shared_head", "ppo", ["--critic", "shared_head"]),
              ("critic: shared_head, merged_reward", "ppo", ["--critic", "shared_head", "--merged_reward", "true"])],
     "lora": [("LoRA, value head on the policy", "ma-ppo", LORA),
-             ("LoRA, value head on the policy, merged_rollout", "ma-ppo", LORA + ["--merged_rollout", "true"])],
+             ("LoRA, value head on the policy, merged_rollout", "ma-ppo", LORA + ["--merged_rollout", "true"]),
+             ("LoRA, value head on the policy, merged_rollout, merged_reward", "ma-ppo",
+              LORA + ["--merged_rollout", "true", "--merged_reward", "true"])],
 }
 
 
@@ -96,6 +101,7 @@ def prepare(workdir: pathlib.Path, steps: int) -> dict:
            "batch_size": config.batch_size, "mini_batch_size": config.mini_batch_size,
            "max_new_tokens": config.max_new_tokens, "temperature": config.temperature,
            "learning_rate": config.learning_rate, "kl_coef": config.kl_coef, "seed": config.seed,
+           "max_grad_norm": config.max_grad_norm,
            "lora_r": 16, "lora_alpha": 32, "lora_targets": LORA_TARGETS}
     (workdir / "job.json").write_text(json.dumps(job))
     return job
@@ -146,7 +152,7 @@ def trl_worker(workdir: pathlib.Path, case: str, skip: int) -> dict:
     config = PPOConfig(batch_size=job["batch_size"], mini_batch_size=job["mini_batch_size"], ppo_epochs=1,
                        learning_rate=job["learning_rate"], init_kl_coef=job["kl_coef"], adap_kl_ctrl=False,
                        cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, seed=job["seed"],
-                       log_with=None)
+                       max_grad_norm=job["max_grad_norm"], log_with=None)  # ours clips (1.0), as MA-RLHF's config does
     trainer = PPOTrainer(config, model, ref, tokenizer)
     sampling = dict(max_new_tokens=job["max_new_tokens"], do_sample=True, top_k=0, top_p=1.0,
                     temperature=job["temperature"], pad_token_id=tokenizer.pad_token_id,
@@ -192,6 +198,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip", type=int, default=2)
     parser.add_argument("--cases", default="full,lora")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole comparison this many times (timings on a shared machine vary by 10-20 %%)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "speed_vs_trl.json")
     parser.add_argument("--trl-worker", type=pathlib.Path, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -209,22 +217,41 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         workdir = pathlib.Path(tmp)
         prepare(workdir, args.steps)
-        for case in args.cases.split(","):
-            trl = run_trl(args.trl_python, workdir, case, args.skip)
-            print(json.dumps(trl))
-            for label, command, extra in OURS[case]:
-                ours = run_ours(label, command, extra, args.steps, args.skip)
-                print(json.dumps({k: ours[k] for k in ("label", "step_s", "phases_s", "response_length")}))
-                results.append({"case": case, "ours": ours, "trl": trl,
-                                "trl_s_over_ours_s": round(trl["step_s"] / ours["step_s"], 3)})
+        for repeat in range(1, args.repeats + 1):
+            for case in args.cases.split(","):
+                trl = run_trl(args.trl_python, workdir, case, args.skip)
+                print(json.dumps(trl))
+                for label, command, extra in OURS[case]:
+                    ours = run_ours(label, command, extra, args.steps, args.skip)
+                    print(json.dumps({k: ours[k] for k in ("label", "step_s", "phases_s", "response_length")}))
+                    results.append({"case": case, "repeat": repeat, "ours": ours, "trl": trl,
+                                    "trl_s_over_ours_s": round(trl["step_s"] / ours["step_s"], 3)})
     out = {"what": "seconds per PPO step, mean of steps 3-N, same models, prompts and batch shape; "
                    "trl_s_over_ours_s > 1 means this engine is faster",
            "measured_on": measured_on(),
-           "config": CONFIG, "steps": args.steps, "results": results, "machine": machine()}
+           "config": CONFIG, "steps": args.steps, "repeats": args.repeats, "results": results,
+           "summary": summarise_repeats(results), "machine": machine()}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    for r in results:
-        print(f"{r['case']:5s} {r['ours']['label']:48s} ours {r['ours']['step_s']:.3f} s  "
-              f"trl {r['trl']['step_s']:.3f} s  trl/ours {r['trl_s_over_ours_s']:.2f}")
+    for r in out["summary"]:
+        ratios = ", ".join(f"{x:.2f}" for x in r["trl_s_over_ours_s"])
+        print(f"{r['case']:5s} {r['label']:66s} trl/ours median {r['median_trl_s_over_ours_s']:.2f} ({ratios})")
+    return out
+
+
+def summarise_repeats(results: list[dict]) -> list[dict]:
+    """Per case and label: every repeat's trl ÷ ours, their median, and the repeat whose ratio is the median
+    (`median_repeat`: its phases are a typical run's)."""
+    import statistics
+
+    out = []
+    for key in dict.fromkeys((r["case"], r["ours"]["label"]) for r in results):
+        runs = [r for r in results if (r["case"], r["ours"]["label"]) == key]
+        ratios = [r["trl_s_over_ours_s"] for r in runs]
+        median = statistics.median(ratios)
+        typical = min(runs, key=lambda r: abs(r["trl_s_over_ours_s"] - median))
+        out.append({"case": key[0], "label": key[1], "trl_s_over_ours_s": ratios, "median_trl_s_over_ours_s": median,
+                    "ours_step_s": [r["ours"]["step_s"] for r in runs], "trl_step_s": [r["trl"]["step_s"] for r in runs],
+                    "median_repeat": typical["repeat"]})
     return out
 
 

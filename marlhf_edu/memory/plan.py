@@ -160,7 +160,8 @@ class MemorySettings:
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward
     critic: str = "separate"           # four-model: 'separate' (own backbone) or 'shared_head' (head on the actor)
     merged_rollout: bool = False       # a dense copy of the policy, LoRA merged, samples the rollouts
-    merged_reward: bool = False        # four-model: the reward LoRA merged into its own base (one head, no adapter)
+    merged_reward: bool = False        # four-model: the reward LoRA merged into its own base (one head, no adapter);
+                                       # multi-adapter: into the merged_rollout copy, no memory of its own
 
     def validate(self) -> "MemorySettings":
 
