@@ -12,7 +12,7 @@ come from the training path (adapter on the base), so the ratio is still exactly
 every equivalence test of the engine holds. The two paths agree up to floating-point rounding
 (`tests/test_rollout_speedups.py` states the tolerance).
 
-π_sampler, the probability each token was drawn with, is recorded while the copy samples (`SampledLogprobs`):
+π_sampler, the log-probability each token was drawn with, is recorded while the copy samples (`SampledLogprobs`):
 log softmax(z / T) of the very logits `generate` drew from, so the gap the engine logs and the weights of
 truncated importance sampling (`tis_cap`) compare the policy with the sampler as it ran (its decode, its batch,
 its rounding), and no second forward pass over the copy is needed.
