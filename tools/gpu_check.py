@@ -429,26 +429,31 @@ def part_sampling(args, built) -> dict:
     m = r.response_mask.float()
     ids, mask, n = r.input_ids, r.attention_mask, r.n_response
 
-    # the copies' log-probs in the rows per forward the rollout used for the old ones (micro_batch_size)
+    # copy against training path in the same rows per forward, each over the batch's width (the kernels round by
+    # shape): micro_batch_size consecutive rows
     rows_old = torch.arange(len(ids), device=ids.device).split(config.micro_batch_size)
 
     def train_logprobs(rows_per_forward, update_path=False):
         """The training path's log-probs: under no_grad (as the rollout computes old log-probs), or as the update
-        computes them (grad on, inside `training_forward`: checkpointed layers)."""
+        computes them (grad on, inside `training_forward`: checkpointed layers), each through the trainer's
+        `_policy_forward` (cut to the rows' columns where the trainer cuts them)."""
         out = []
         for rows in torch.arange(len(ids), device=ids.device).split(rows_per_forward):
             if update_path:
                 with torch.enable_grad(), backend.training_forward():
-                    lp = backend.policy_forward(ids[rows], mask[rows], n, config.temperature)[0]
+                    lp = trainer._policy_forward(ids[rows], mask[rows], n, with_entropy=False)[0]
                 out.append(lp.detach().float())
             else:
                 with torch.no_grad():
-                    out.append(backend.policy_forward(ids[rows], mask[rows], n, config.temperature)[0].float())
+                    out.append(trainer._policy_forward(ids[rows], mask[rows], n, with_entropy=False)[0].float())
         return torch.cat(out)
 
     old = r.logprobs.float()                # the rollout's old log-probs (rows of forward_batch_size, no grad)
     update_1 = train_logprobs(config.micro_batch_size, update_path=True)  # what the update computes
     nograd_1 = train_logprobs(1)
+    with torch.no_grad():
+        train_same_rows = torch.cat([backend.policy_forward(ids[rows], mask[rows], n, config.temperature)[0].float()
+                                     for rows in rows_old])
     ref = r.ref_logprobs.float()
     moved = ((old - ref) ** 2 * m).sum()
     result = {"perturbation_rms": reached, "rollout_rows": len(ids), "response_tokens": int(m.sum()),
@@ -473,10 +478,11 @@ def part_sampling(args, built) -> dict:
         with torch.no_grad():
             lp = torch.cat([sequence_logprobs(merged.model, ids[rows], mask[rows], n, config.temperature)[0].float()
                             for rows in rows_old])
-        delta = lp - old  # log π_sampler − log π_train, the same rows per forward, tokens sampled by the training path
+        # log π_sampler − log π_train, the same rows per forward, tokens sampled by the training path
+        delta = lp - train_same_rows
         result[f"merged_{label}"] = {
             "delta_relative_error_in_weights": round(sum(errs) / len(errs), 4),
-            "logprob_gap": logprob_gap(lp, old, m),
+            "logprob_gap": logprob_gap(lp, train_same_rows, m),
             "kl_per_response_k3": float(((torch.exp(delta) - 1 - delta) * m).sum(1).mean()),
             "share_of_policy_move_kept": float(((lp - ref) * (old - ref) * m).sum() / moved),
             "copy_gib": gib(merged.nbytes())}

@@ -49,6 +49,7 @@ from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
                                       seal_checkpoint, set_aside_stopped_run)
+from marlhf_edu.ppo.used_columns import pad_columns, trim_columns
 
 #: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
 #: no-grad policy/critic forward, the reference forward, and the PPO update.
@@ -161,6 +162,19 @@ def check_prompt_lengths(prompts: list[str], tokenizer, max_prompt_length: int) 
     if too_long:
         raise ConfigError(f"{len(too_long)} prompt(s) exceed max_prompt_length={max_prompt_length} tokens "
                           f"(first rows: {too_long[:5]}, longest {max(lengths)}); raise it or filter them")
+
+
+def cuts_policy_forwards(micro_batch_size: int, device: torch.device) -> bool:
+    """Whether the policy's forwards are cut to the columns their rows use (`PPOTrainer._policy_forward`)."""
+    return micro_batch_size == 1 or torch.device(device).type == "cpu"
+
+
+def _in_row_order(order: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Outputs of chunks taken over the rows `order[0], order[1], …`, concatenated, back in the batch's row order."""
+    out = torch.cat(parts)
+    back = torch.empty_like(out)
+    back[order] = out
+    return back
 
 
 def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -281,7 +295,14 @@ class PPOTrainer:
             score_ids, score_mask = (append_missing_eos(input_ids, attention_mask, has_eos, tok.eos_token_id,
                                                         tok.pad_token_id)
                                      if cfg.truncated_scoring == "append_eos" else (input_ids, attention_mask))
-            raw_scores = torch.cat([be.scores(score_ids[c], score_mask[c]) for c in chunks]).float()
+            # the no-grad forwards take each chunk's rows shortest first, cut to the columns they use
+            # (`trim_columns`): rows of like length share a micro-batch, and only the shapes change. Sorting within
+            # a chunk keeps every chunk's rows what they were (a rank's shard is its chunks on one process too)
+            lengths = attention_mask.sum(dim=1)
+            order = torch.cat([c.start + torch.argsort(lengths[c], stable=True) for c in chunks])
+            raw_scores = _in_row_order(order, [
+                be.scores(*trim_columns(score_ids[order[c]], score_mask[order[c]], score_ids.shape[1] - P)[:2])
+                for c in chunks]).float()
             rm_scores = None
             if self.reward_fn is not None:  # the positive control: PPO optimises this, the reward model is logged
                 texts = [t.strip() for t in tok.batch_decode(response, skip_special_tokens=True)]
@@ -298,13 +319,15 @@ class PPOTrainer:
         logprobs, values, entropy, ref_logprobs = [], [], [], []
         for rows in micro:
             with self.timer("policy"):
-                lp, v, ent = be.policy_forward(input_ids[rows], attention_mask[rows], R, cfg.temperature,
-                                               with_entropy=True)
+                lp, v, ent = self._policy_forward(input_ids[order[rows]], attention_mask[order[rows]], R,
+                                                  with_entropy=True)
             logprobs.append(lp); values.append(v); entropy.append(ent)
         for c in chunks:
             with self.timer("reference"):
-                ref_logprobs.append(be.reference_logprobs(input_ids[c], attention_mask[c], R, cfg.temperature))
-        logprobs, values, entropy, ref_logprobs = (torch.cat(x).float() for x in (logprobs, values, entropy, ref_logprobs))
+                ids, mask, r = trim_columns(input_ids[order[c]], attention_mask[order[c]], R)
+                ref_logprobs.append(pad_columns(be.reference_logprobs(ids, mask, r, cfg.temperature), R))
+        logprobs, values, entropy, ref_logprobs = (_in_row_order(order, x).float()
+                                                   for x in (logprobs, values, entropy, ref_logprobs))
         logprob_gap = tis_weights = None
         if separate_sampler:
             sampled = torch.cat([torch.nn.functional.pad(lp, (0, R - lp.shape[1])) for _, lp in drawn]).float()
@@ -400,13 +423,26 @@ class PPOTrainer:
             micro_stats = [dict(zip(keys, row)) for row in self.dp.gather(table).tolist()]
         return {k: [s[k] for s in micro_stats] for k in keys}
 
+    def _policy_forward(self, input_ids, attention_mask, n_response: int, with_entropy: bool):
+        """`backend.policy_forward`, (B, `n_response`) outputs; the rollout's old log-probs and the update's new
+        ones both come from here. Cut to the columns these rows use (`trim_columns`, zero where cut) where that
+        keeps the two forwards of a row alike: one row per forward (the cut is the row's own length in both), or a
+        CPU, whose fp32 results differ by batch shape only at rounding (below 2e-6 on the tiny model). A GPU's bf16
+        kernels round by shape (0.033 per token at 7B, 16 rows against 1), and a micro-batch of the update holds
+        other rows, so another width, than the rollout's: there the forwards keep the batch's width."""
+        if cuts_policy_forwards(self.config.micro_batch_size, self.backend.device):
+            ids, mask, r = trim_columns(input_ids, attention_mask, n_response)
+        else:
+            ids, mask, r = input_ids, attention_mask, n_response
+        out = self.backend.policy_forward(ids, mask, r, self.config.temperature, with_entropy=with_entropy)
+        return tuple(pad_columns(x, n_response) for x in out)
+
     def micro_batch_loss(self, r: Rollout, rows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`ppo_loss` of rollout rows `rows` under the current policy and critic (one forward with the graph)."""
         cfg = self.config
         with self.backend.training_forward():  # checkpointed layers when `gradient_checkpointing`
-            logprobs, values, entropy = self.backend.policy_forward(r.input_ids[rows], r.attention_mask[rows],
-                                                                    r.n_response, cfg.temperature,
-                                                                    with_entropy=cfg.entropy_coef != 0)
+            logprobs, values, entropy = self._policy_forward(r.input_ids[rows], r.attention_mask[rows], r.n_response,
+                                                             with_entropy=cfg.entropy_coef != 0)
         # truncated importance sampling (tis_cap): the clipped surrogate max(-Aρ, -A·clip(ρ)) times w ≥ 0 is the same
         # surrogate with advantages w·A, so weighting each token's policy loss is scaling its advantage
         advantages = r.advantages[rows] if r.tis_weights is None else r.advantages[rows] * r.tis_weights[rows]
