@@ -193,6 +193,9 @@ def test_adapter_switches_keep_the_trainable_set(tmp_path, prompts):
     be.scores(enc["input_ids"], enc["attention_mask"])  # switches to the reward adapter and back
     be.policy_forward(enc["input_ids"], enc["attention_mask"], 4, 1.0)  # switches to the value adapter and back
     assert {n for n, p in be.model.named_parameters() if p.requires_grad} == before
+    # the reference turns every adapter off and on again: peft's disable_adapter would leave the value adapter frozen
+    be.reference_logprobs(enc["input_ids"], enc["attention_mask"], 4, 1.0)
+    assert {n for n, p in be.model.named_parameters() if p.requires_grad} == before
     # peft's own set_adapter would have frozen the policy adapter: the guard notices such a change
     be.model.set_adapter("reward")
     with pytest.raises(RuntimeError, match="trainable parameters changed"):

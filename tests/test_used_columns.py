@@ -13,7 +13,7 @@ from marlhf_edu.ppo import FourModelBackend
 from marlhf_edu.ppo import trainer as trainer_module
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
 from marlhf_edu.ppo.trainer import cuts_policy_forwards
-from marlhf_edu.ppo.used_columns import pad_columns, trim_columns, used_span
+from marlhf_edu.ppo.used_columns import pad_columns, right_aligned, trim_columns, used_span
 
 SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_size=8, max_new_tokens=12,
              actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-3)
@@ -37,6 +37,17 @@ def test_used_span_cuts_the_padding_every_row_shares():
     for bad in (0, 6):
         with pytest.raises(ValueError, match="n_response"):
             used_span(torch.ones(2, 6, dtype=torch.long), bad)
+
+
+def test_right_aligned_rows_end_in_the_last_column():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 0, 0],
+                        [0, 0, 0, 8, 9, 3, 0],
+                        [0, 4, 4, 4, 4, 4, 4]])
+    mask = (ids != 0).long()
+    got_ids, got_mask = right_aligned(ids, mask)
+    # 7 columns in the prompt/response layout; right-aligned, the longest row needs 6
+    assert got_ids.tolist() == [[0, 0, 0, 5, 6, 7], [0, 0, 0, 8, 9, 3], [4, 4, 4, 4, 4, 4]]
+    assert torch.equal(got_mask, (got_ids != 0).long())
 
 
 def test_pad_columns_gives_back_the_batch_width():

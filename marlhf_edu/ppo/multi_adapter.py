@@ -227,9 +227,22 @@ class MultiAdapterBackend(PPOBackend):
         values = self.value_head(value_hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return logprobs, response_values(values, n_response), entropy
 
+    @contextlib.contextmanager
+    def _no_adapter(self):
+        """The base alone, for the reference: every adapter layer off, then on again with the trainable set restored.
+        peft's `disable_adapter` context turns them on again with `set_adapter` of the active adapter, which freezes
+        every other adapter (the value adapter would stay frozen until the next switch), and first reads the status
+        of every adapter layer: 13 ms a call against 8 ms for this one on the tiny model (cProfile, 5 steps)."""
+        self.model.base_model.disable_adapter_layers()
+        try:
+            yield
+        finally:
+            self.model.base_model.enable_adapter_layers()
+            self._restore_trainable()
+
     @torch.no_grad()
     def reference_logprobs(self, input_ids, attention_mask, n_response, temperature):
-        with self.model.disable_adapter():
+        with self._no_adapter():
             logits = self._logits(self._hidden(input_ids, attention_mask), n_response, temperature)
         return response_logprobs(logits, input_ids)[0]
 

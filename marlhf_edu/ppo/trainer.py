@@ -49,7 +49,7 @@ from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
                                       seal_checkpoint, set_aside_stopped_run)
-from marlhf_edu.ppo.used_columns import pad_columns, trim_columns
+from marlhf_edu.ppo.used_columns import pad_columns, right_aligned, trim_columns
 
 #: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
 #: no-grad policy/critic forward, the reference forward, and the PPO update.
@@ -297,12 +297,12 @@ class PPOTrainer:
                                      if cfg.truncated_scoring == "append_eos" else (input_ids, attention_mask))
             # the no-grad forwards take each chunk's rows shortest first, cut to the columns they use
             # (`trim_columns`): rows of like length share a micro-batch, and only the shapes change. Sorting within
-            # a chunk keeps every chunk's rows what they were (a rank's shard is its chunks on one process too)
+            # a chunk keeps every chunk's rows what they were (a rank's shard is its chunks on one process too).
+            # The reward model reads the last token alone: its rows are right-aligned first (`right_aligned`)
             lengths = attention_mask.sum(dim=1)
             order = torch.cat([c.start + torch.argsort(lengths[c], stable=True) for c in chunks])
-            raw_scores = _in_row_order(order, [
-                be.scores(*trim_columns(score_ids[order[c]], score_mask[order[c]], score_ids.shape[1] - P)[:2])
-                for c in chunks]).float()
+            raw_scores = _in_row_order(order, [be.scores(*right_aligned(score_ids[order[c]], score_mask[order[c]]))
+                                               for c in chunks]).float()
             rm_scores = None
             if self.reward_fn is not None:  # the positive control: PPO optimises this, the reward model is logged
                 texts = [t.strip() for t in tok.batch_decode(response, skip_special_tokens=True)]

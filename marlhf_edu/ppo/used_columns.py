@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from marlhf_edu.math.masked import last_valid_index
+
 
 def used_span(attention_mask: torch.Tensor, n_response: int) -> tuple[int, int]:
     """Columns `[first, stop)` of a (B, P + R) mask that hold every attended token, with R = `n_response`.
@@ -43,6 +45,20 @@ def trim_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_respon
     first, stop = used_span(attention_mask, n_response)
     P = attention_mask.shape[1] - n_response
     return input_ids[:, first:stop], attention_mask[:, first:stop], stop - P
+
+
+def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) with each (B, T) row rolled right until its last attended token sits in the last column, then
+    cut to the columns some row uses. The padding after a response moves to the front, so a chunk needs only its
+    longest prompt + response, where the prompt/response layout needs its widest prompt + longest response. For a
+    reader of the last token (the reward model, `last_valid_index`) nothing else changes: position ids come from the
+    mask."""
+    T = attention_mask.shape[1]
+    shift = T - 1 - last_valid_index(attention_mask)  # (B,) the padding after each row's last token
+    source = (torch.arange(T, device=attention_mask.device)[None, :] - shift[:, None]) % T
+    ids, mask = input_ids.gather(1, source), attention_mask.gather(1, source)
+    first = int(mask.bool().any(dim=0).long().argmax())  # the last column is used by every row
+    return ids[:, first:], mask[:, first:]
 
 
 def pad_columns(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
