@@ -16,8 +16,9 @@ must, whatever the engine:
                on every linear layer does (lora: the backward still runs through every frozen layer).
 
 This tool times exactly those, on the shipped tiny SFT model, with nothing else around them: bare transformers
-and peft calls, no engine, no statistics, no checks. Their sum is a lower bound on any engine's step on this
-machine. With `--compare`, it reads trl 0.11.4's measured step from `compare_trl.py`'s output (run it just
+and peft calls, no engine, no statistics, no checks. Their sum is a lower bound on the step of any engine that runs
+these passes over the whole padded batch, as trl 0.11.4 does, on this machine; this engine's forwards skip the
+columns their rows share as padding (`marlhf_edu.ppo.used_columns`), less work than the floor counts. With `--compare`, it reads trl 0.11.4's measured step from `compare_trl.py`'s output (run it just
 before, on the same machine) and reports the largest speed-up over trl that the floor allows, next to the
 target of issue 15. Not part of `make test`.
 """

@@ -228,7 +228,7 @@ class MultiAdapterBackend(PPOBackend):
         return logprobs, response_values(values, n_response), entropy
 
     @contextlib.contextmanager
-    def _no_adapter(self):
+    def adapters_off(self):
         """The base alone, for the reference: every adapter layer off, then on again with the trainable set restored.
         peft's `disable_adapter` context turns them on again with `set_adapter` of the active adapter, which freezes
         every other adapter (the value adapter would stay frozen until the next switch), and first reads the status
@@ -242,7 +242,7 @@ class MultiAdapterBackend(PPOBackend):
 
     @torch.no_grad()
     def reference_logprobs(self, input_ids, attention_mask, n_response, temperature):
-        with self._no_adapter():
+        with self.adapters_off():
             logits = self._logits(self._hidden(input_ids, attention_mask), n_response, temperature)
         return response_logprobs(logits, input_ids)[0]
 

@@ -150,7 +150,7 @@ FORWARDS = (
      "values (B, R)"),
     ("reward forward", "reward", "_use_adapter(\"reward\")\nfrozen",
      (("score head (read from\nthe adapter file)", False),), "score (B,) at the\nlast real token"),
-    ("reference forward", None, "disable_adapter()\nevery adapter off", (("LM head", False),),
+    ("reference forward", None, "adapters_off()\nevery adapter off", (("LM head", False),),
      "log π_ref (B, R)"),
 )
 
