@@ -255,6 +255,20 @@ def cache_bytes(past_key_values) -> int:
     return storage_bytes(tensors)
 
 
+def widest_rows(attention_mask, n_response: int, k: int):
+    """Indices of `k` rows of a (B, P + R) batch whose used columns span as much of its width as `k` rows can: the
+    row with the longest prompt and the row with the longest answer first (one row: the one with the most tokens)."""
+    import torch
+
+    P = attention_mask.shape[1] - n_response
+    if k == 1:
+        first = [int(attention_mask.sum(dim=1).argmax())]
+    else:
+        first = [int(attention_mask[:, :P].sum(dim=1).argmax()), int(attention_mask[:, P:].sum(dim=1).argmax())]
+    order = list(dict.fromkeys(first + list(range(attention_mask.shape[0]))))
+    return torch.tensor(order[:k], device=attention_mask.device)
+
+
 def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
     """Measure a `PPOTrainer`'s memory where model state peaks: inside an update, after a backward.
 
@@ -281,7 +295,9 @@ def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
                               use_cache=True, logits_to_keep=n_response + 1)
         activations = {"kv_cache": cache_bytes(out.past_key_values), "logits": out.logits.float().nbytes}
         del out
-    micro = slice(0, cfg.micro_batch_size)  # the first micro-batch, exactly as `PPOTrainer.update` runs one
+    # one micro-batch, as `PPOTrainer.update` runs one; the update cuts a micro-batch to the columns its rows use
+    # (`used_columns`), so it holds the widest prompt and the longest answer: as wide as the batch, the planner's case
+    micro = widest_rows(mask, n_response, cfg.micro_batch_size)
     (loss, _), activations["activations"] = saved_tensor_bytes(lambda: trainer.micro_batch_loss(rollout, micro),
                                                                *be.models().values())
     loss.backward()
