@@ -42,13 +42,26 @@ def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     temperature: float) -> torch.Tensor:
     """(B, R, V) logits that predict the R response tokens, divided by the sampling temperature.
 
-    Only the last R + 1 positions go through the LM head (`logits_to_keep`):
-    the prompt's logits are never materialised, which at V = 32000 is most of
-    the memory of a forward pass.
+    Only the R positions before each response token go through the LM head (`logits_to_keep` as positions):
+    the prompt's logits are never materialised, which at V = 32000 is most of the memory of a forward pass.
+    Given positions, transformers gathers those hidden states into contiguous memory, so the head runs as one
+    (B·R, H) product (see `head_logits`).
     """
+    length = input_ids.shape[1]
+    keep = torch.arange(length - n_response - 1, length - 1, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
-                logits_to_keep=n_response + 1, use_cache=False)
-    return out.logits[:, :-1] / temperature
+                logits_to_keep=keep, use_cache=False)
+    return out.logits / temperature
+
+
+def head_logits(lm_head: nn.Module, hidden: torch.Tensor, n_response: int) -> torch.Tensor:
+    """(B, R, V) logits that predict the R response tokens, from the (B, L, H) last hidden states.
+
+    The R positions are copied into contiguous memory before the head: on a non-contiguous (B, R, H) slice
+    `torch.matmul` runs B products against the weight expanded B times (`bmm`), 1.8x the time of one
+    (B·R, H) product for SmolLM2's 49152 × 576 head on a CPU, forward and backward alike.
+    """
+    return lm_head(hidden[:, -n_response - 1:-1].contiguous())
 
 
 def response_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False):
@@ -352,7 +365,7 @@ class FourModelBackend(PPOBackend):
             backbone, lm_head = split_causal_lm(self.actor)
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
                               position_ids=position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
-            logits = lm_head(hidden[:, -n_response - 1:-1]) / temperature
+            logits = head_logits(lm_head, hidden, n_response).div_(temperature)  # in place: the head's output is new
             logprobs, entropy = response_logprobs(logits, input_ids, with_entropy)
             values_full = self.critic(hidden.to(self.critic.weight.dtype)).squeeze(-1)
         else:

@@ -38,7 +38,7 @@ from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer,
                                         same_model_path)
 from marlhf_edu.math.masked import last_valid_index
 from marlhf_edu.math.scoring import position_ids_from_mask
-from marlhf_edu.ppo.backends import (PPOBackend, response_logprobs, response_values, sample, split_causal_lm,
+from marlhf_edu.ppo.backends import (PPOBackend, head_logits, response_logprobs, response_values, sample, split_causal_lm,
                                      value_head)
 from marlhf_edu.ppo.checkpointing import enable_checkpointing
 from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
@@ -197,7 +197,8 @@ class MultiAdapterBackend(PPOBackend):
 
     def _logits(self, hidden, n_response, temperature):
         lm_head = self.model.get_base_model().lm_head
-        return lm_head(hidden[:, -n_response - 1:-1]).float() / temperature
+        # divided in place: the head's (B, R, V) output is new and its backward needs only the head's input
+        return head_logits(lm_head, hidden, n_response).float().div_(temperature)
 
     def generate(self, input_ids, attention_mask, **sampling):
         return sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask, **sampling)
