@@ -131,3 +131,95 @@ def test_an_already_repacked_layer_is_an_error_not_a_silent_restore():
                                                                                    layer.weight.quant_state)
     with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.up_proj: bitsandbytes already repacked"):
         keep_nf4_trainable(model)
+
+
+# ---- nf4_dequantize_once: the dequantized weight kept, bit-identical to bitsandbytes ----------------------------
+
+def nf4_lora_pair(double_quant: bool, compute_dtype: str):
+    """Two LoRA models on the same NF4 base (quantization is deterministic): bitsandbytes' own layers, and the same
+    layers under `dequantize_once`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from marlhf_edu.loading.quantization import dequantize_once, nf4_loading_kwargs
+
+    models = []
+    for once in (False, True):
+        base = AutoModelForCausalLM.from_pretrained(str(SFT_DIR), **nf4_loading_kwargs("cpu", double_quant, compute_dtype))
+        assert (dequantize_once(base) if once else keep_nf4_trainable(base)) == 28
+        torch.manual_seed(0)
+        model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0,
+                                                target_modules=ALL_LINEAR))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        models.append(model.eval())
+    return models
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_dequantize_once_gives_bitsandbytes_outputs_and_gradients_bit_for_bit(double_quant, compute_dtype):
+    plain, once = nf4_lora_pair(double_quant, compute_dtype)
+    for _ in range(2):  # the second pass reads the kept weights
+        with torch.no_grad():
+            ids = torch.tensor([[1, 40, 41, 42, 43, 44, 45, 46], [1, 50, 51, 52, 53, 54, 55, 56]])
+            assert torch.equal(plain(input_ids=ids).logits, once(input_ids=ids).logits)
+        expected, got = lora_grads(plain, False), lora_grads(once, False)
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(expected[n], got[n]) for n in expected)  # layer 0's LoRA: through every 4-bit layer
+    import bitsandbytes as bnb
+
+    layers = [m for m in once.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    dtype = getattr(torch, compute_dtype)
+    assert all(m.__dict__["_dequantized"][1].dtype == dtype for m in layers)
+    assert not any(is_cpu_repacked(m) for m in layers)
+
+
+def test_dequantize_once_dequantizes_again_when_the_weight_changes():
+    import bitsandbytes as bnb
+
+    plain, once = nf4_lora_pair(True, "float32")
+    q = {n: m for n, m in once.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    p = {n: m for n, m in plain.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    name, other = "base_model.model.model.layers.0.self_attn.q_proj.base_layer", \
+        "base_model.model.model.layers.0.self_attn.o_proj.base_layer"
+    x = torch.randn(3, q[name].in_features)
+    with torch.no_grad():
+        first = q[name](x)
+        assert torch.equal(first, p[name](x))
+        q[name].weight, p[name].weight = q[other].weight, p[other].weight  # a new parameter (as peft's merge does)
+        assert torch.equal(q[name](x), p[name](x)) and not torch.equal(q[name](x), first)
+        q[name].weight[:5] ^= 0x11  # an in-place write into the packed codes (of both layers sharing them)
+        p[name].weight[:5] ^= 0x11
+        assert torch.equal(q[name](x), p[name](x)) and torch.equal(q[other](x), p[other](x))
+
+
+def test_dequantize_once_is_a_cpu_option_for_a_4bit_base(tmp_path):
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.ppo import PPOConfig
+
+    PPOConfig(output_dir=str(tmp_path), load_in_4bit=True, nf4_dequantize_once=True, device="cpu").validate()
+    with pytest.raises(ConfigError, match="needs load_in_4bit: true"):
+        PPOConfig(output_dir=str(tmp_path), load_in_4bit=False, nf4_dequantize_once=True, device="cpu").validate()
+
+
+def test_the_planner_counts_the_dequantized_weights_a_run_keeps():
+    """The plan's term equals the bytes the layers hold after a forward (tiny model, fp32 and bf16 compute)."""
+    import bitsandbytes as bnb
+    from dataclasses import replace
+
+    from marlhf_edu.memory.plan import MemorySettings, ModelShape, dequantized_once_bytes, plan_multi_adapter
+
+    shape = ModelShape.resolve(str(SFT_DIR))
+    for dtype in ("float32", "bfloat16"):
+        _, once = nf4_lora_pair(True, dtype)
+        with torch.no_grad():
+            once(input_ids=torch.tensor([[1, 40, 41]]))
+        held = sum(m.__dict__["_dequantized"][1].nbytes for m in once.modules() if isinstance(m, bnb.nn.Linear4bit))
+        s = MemorySettings(load_in_4bit=True, nf4_dequantize_once=True, nf4_compute_dtype=dtype)
+        assert dequantized_once_bytes(shape, s)[0] == held
+        off = plan_multi_adapter(shape, replace(s, nf4_dequantize_once=False))
+        assert plan_multi_adapter(shape, s).parts["weights"] - off.parts["weights"] == held
+        assert dequantized_once_bytes(shape, replace(s, load_in_4bit=False)) == (0, 0)

@@ -353,12 +353,25 @@ def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio(tm
     assert losses["two"] == pytest.approx(2 * losses["one"], rel=1e-5) and losses["one"] != 0.0
 
 
-def test_truncated_importance_sampling_needs_a_merged_copy():
-    with pytest.raises(ConfigError, match="tis_cap corrects sampling from a merged copy"):
-        PPOConfig(tis_cap=2.0).validate()
-    with pytest.raises(ConfigError, match="tis_cap"):
+def test_truncated_importance_sampling_needs_a_cap_of_at_least_one():
+    with pytest.raises(ConfigError, match="the cap must be >= 1"):
         PPOConfig(tis_cap=0.5, merged_rollout=True).validate()
     PPOConfig(tis_cap=2.0, merged_rollout=True).validate()
+    PPOConfig(tis_cap=2.0).validate()  # the policy sampling itself: its decode against its forward
+
+
+def test_a_policy_sampling_itself_records_its_sampler_under_tis(tmp_path, prompts):
+    """With `tis_cap` and no merged copy, π_sampler is the policy's own decode: recorded, its gap to the training
+    forward logged (fp32: rounding only) and the weights 1 up to it; without `tis_cap` nothing is recorded."""
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, tis_cap=2.0)
+    peft_model, adapter = trainer.backend.lora_policy()
+    _perturb_policy(peft_model, adapter)
+    r = trainer.rollout(trainer.batch_prompts(0))
+    m = r.response_mask
+    assert r.logprob_gap is not None and 0 <= float(r.logprob_gap) < LOGPROB_TOLERANCE
+    assert float(((r.tis_weights - 1).abs() * m).max()) < LOGPROB_TOLERANCE
+    stats = trainer.rollout_stats(r)
+    assert "rollout/logprob_gap" in stats and "rollout/tis_weight_mean" in stats
 
 
 # ---- rollout_cache: static -----------------------------------------------------------------------------------
@@ -448,3 +461,45 @@ def test_the_lm_head_runs_on_contiguous_response_positions(tmp_path, prompts, ba
     m = r.response_mask
     assert (logprobs[m].float() - want[m]).abs().max() < LOGPROB_TOLERANCE
     assert (ref[m] - r.ref_logprobs[m]).abs().max() < LOGPROB_TOLERANCE
+
+
+def test_nf4_dequantize_once_trains_bit_for_bit_as_bitsandbytes(tmp_path, prompts):
+    """`nf4_dequantize_once`: two MA-PPO steps on an NF4 base give the records and adapter weights of bitsandbytes'
+    own layers exactly (rollout, reference, reward, update all read the kept weights)."""
+    import bitsandbytes as bnb
+
+    plain = build(tmp_path / "plain", MultiAdapterBackend, prompts, load_in_4bit=True)
+    expected = [plain.step() for _ in range(2)]  # each trainer seeded when built; one random stream per run
+    once = build(tmp_path / "once", MultiAdapterBackend, prompts, load_in_4bit=True, nf4_dequantize_once=True)
+    got = [once.step() for _ in range(2)]
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/")}  # noqa: E731
+    assert [drop(r) for r in expected] == [drop(r) for r in got]
+    layers = [m for m in once.backend.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and all("_dequantized" in m.__dict__ for m in layers)
+    assert not any("_dequantized" in m.__dict__ for m in plain.backend.model.modules())
+    weights = dict(once.backend.model.named_parameters())
+    assert all(torch.equal(p, weights[n]) for n, p in plain.backend.model.named_parameters() if p.requires_grad)
+
+
+def test_the_bf16_smollm2_config_is_the_shipped_one_but_for_its_precision_settings(tmp_path):
+    """configs/smollm2/ma_ppo_bf16.yaml differs from ma_ppo.yaml only where its header says; it validates on a CPU
+    with bf16 matrix kernels and is refused, naming the fp32 config, on one without."""
+    import yaml
+
+    from marlhf_edu.loading.cpu_products import native_low_precision_products
+    from marlhf_edu.training.args import parse_stage_args
+
+    shipped, fast = (yaml.safe_load(open(f"configs/smollm2/{name}.yaml")) for name in ("ma_ppo", "ma_ppo_bf16"))
+    changed = {k: (shipped.get(k), fast.get(k)) for k in shipped.keys() | fast.keys() if shipped.get(k) != fast.get(k)}
+    assert changed == {"output_dir": ("runs/smollm2/ma_ppo", "runs/smollm2/ma_ppo_bf16"),
+                       "nf4_compute_dtype": (None, "bfloat16"), "merged_rollout": (True, False),
+                       "tis_cap": (None, 2.0)}
+    assert shipped["nf4_dequantize_once"] is True and fast["nf4_dequantize_once"] is True
+    for name in ("ma_ppo", "ma_ppo_bf16"):
+        (config,) = parse_stage_args((PPOConfig,), ["--config", f"configs/smollm2/{name}.yaml",
+                                                    "--output_dir", str(tmp_path / name)])
+        if name == "ma_ppo_bf16" and not native_low_precision_products(torch.bfloat16):
+            with pytest.raises(ConfigError, match="no bf16 matrix kernels.*ma_ppo.yaml"):
+                config.validate()
+        else:
+            config.validate()

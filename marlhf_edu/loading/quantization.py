@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 
 import torch
 
@@ -111,6 +112,72 @@ def keep_nf4_trainable(model: torch.nn.Module) -> int:
                     "backward). Reload the model and call keep_nf4_trainable before its first forward.")
             module.support_avx512bf16_for_cpu = False
             guarded += 1
+    return guarded
+
+
+def dequantize_as_bitsandbytes(weight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense (out, in) weight a `Linear4bit`'s matmul uses, computed as bitsandbytes 0.50 computes it on the CPU
+    (`gemm_4bit`'s default implementation): a double-quantized absmax is restored in fp32 first, then the 4-bit
+    codes are scaled and cast to `dtype`."""
+    state = weight.quant_state
+    absmax = state.absmax
+    if state.nested:
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
+            state.absmax, state.state2.absmax, state.state2.code, state.state2.blocksize, torch.float32) + state.offset
+    return torch.ops.bitsandbytes.dequantize_4bit.default(weight.data.view(-1, 1), absmax, state.blocksize,
+                                                         state.quant_type, state.shape, dtype)
+
+
+def _forward_dequantized_once(self, x: torch.Tensor) -> torch.Tensor:
+    """`Linear4bit.forward` (bitsandbytes 0.50) with the dequantized weight kept from one call to the next.
+
+    The same operations as bitsandbytes' CPU path, x → compute dtype, F.linear(x, W), → x's dtype, so outputs and
+    the gradient to x (autograd's x-gradient of F.linear, W·g) are bit-identical; the weight is dequantized again
+    only when it changed: a new parameter object (peft's merge into a 4-bit layer makes one), new storage, an
+    in-place write to the parameter (its version counter), another compute dtype. A write through `weight.data`
+    bypasses the version counter and is not seen; nothing in the package writes a frozen base."""
+    weight = self.weight
+    if not self.compute_type_is_set:
+        self.set_compute_type(x)
+        self.compute_type_is_set = True
+    inp_dtype = x.dtype
+    if self.compute_dtype is not None:
+        x = x.to(self.compute_dtype)
+    bias = self.bias
+    if bias is not None:
+        if bias.dtype != x.dtype:
+            bias.data = bias.data.to(x.dtype)
+        bias = bias.to(self.compute_dtype)
+    key = (id(weight), weight.data_ptr(), weight._version, x.dtype)
+    cached = self.__dict__.get("_dequantized")
+    if cached is None or cached[0] != key:
+        cached = (key, dequantize_as_bitsandbytes(weight, x.dtype))
+        self.__dict__["_dequantized"] = cached
+    return torch.nn.functional.linear(x, cached[1], bias).to(inp_dtype)
+
+
+def dequantize_once(model: torch.nn.Module) -> int:
+    """CPU, NF4 base: every `Linear4bit` of `model` dequantizes its frozen weight once and keeps it; returns how many.
+
+    bitsandbytes dequantizes a 4-bit weight on every call (on the CPU, `gemm_4bit` = dequantize, then a dense
+    matmul) and again in the backward: a fresh (out, in) tensor each time. The base of a LoRA run never changes, so
+    one dense copy per layer serves every rollout, reference, reward and training forward; each layer then runs
+    the very operations bitsandbytes runs, so outputs and gradients are bit-identical (a test pins it against
+    bitsandbytes' own forward). The price is QLoRA's memory saving: the layers' weights in the compute dtype
+    (SmolLM2-135M: 106 M weights, 212 MB in bf16, 425 MB in fp32) beside the 4-bit ones. A CPU feature: on a GPU,
+    bitsandbytes' kernels are not this sequence and the memory is what QLoRA is for (the config refuses it).
+    Also guards every layer as `keep_nf4_trainable` does. The config switch is `nf4_dequantize_once`; chapter 09.
+    """
+    guarded = keep_nf4_trainable(model)
+    if not guarded:
+        return 0
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            if getattr(module.weight, "quant_state", None) is None:
+                raise RuntimeError("dequantize_once: a Linear4bit without a quant_state (not quantized yet)")
+            module.forward = types.MethodType(_forward_dequantized_once, module)
     return guarded
 
 

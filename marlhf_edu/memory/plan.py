@@ -162,6 +162,8 @@ class MemorySettings:
     merged_rollout: bool = False       # a dense copy of the policy, LoRA merged, samples the rollouts
     merged_reward: bool = False        # four-model: the reward LoRA merged into its own base (one head, no adapter);
                                        # multi-adapter: into the merged_rollout copy, no memory of its own
+    nf4_dequantize_once: bool = False  # multi-adapter, CPU: each 4-bit layer keeps its weight dequantized
+    nf4_compute_dtype: str = "auto"    # the 4-bit layers' compute dtype ('auto' = weight_dtype)
 
     def validate(self) -> "MemorySettings":
 
@@ -170,6 +172,8 @@ class MemorySettings:
                 raise ConfigError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_FACTOR)}, got {self.optimizer!r}")
+        if self.nf4_compute_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"nf4_compute_dtype must be 'auto', 'float32' or 'bfloat16', got {self.nf4_compute_dtype!r}")
         if self.critic not in ("separate", "shared_head"):
             raise ConfigError(f"critic must be 'separate' or 'shared_head', got {self.critic!r}")
         if self.value_mode not in ("shared", "adapter"):
@@ -193,6 +197,7 @@ class MemorySettings:
                    gradient_checkpointing=config.gradient_checkpointing, critic=config.critic,
                    merged_rollout=config.merged_rollout,
                    merged_reward=config.merged_reward,
+                   nf4_dequantize_once=config.nf4_dequantize_once, nf4_compute_dtype=config.nf4_compute_dtype,
                    forward_batch_size=min(config.forward_batch_size, config.batch_size),
                    micro_batch_size=config.micro_batch_size, prompt_length=prompt_length or config.max_prompt_length,
                    response_length=config.max_new_tokens)
@@ -342,6 +347,16 @@ def merged_rollout_bytes(shape: ModelShape, s: MemorySettings) -> int:
     """The dense sampling copy of `merged_rollout` (`marlhf_edu.ppo.merged_rollout`): every weight of the model
     in the compute dtype, however the base is stored (an NF4 base is dequantized into it); 0 when off."""
     return base_weight_bytes(shape, replace(s, load_in_4bit=False)) if s.merged_rollout else 0
+
+
+def dequantized_once_bytes(shape: ModelShape, s: MemorySettings) -> tuple[int, int]:
+    """`nf4_dequantize_once` (`marlhf_edu.loading.quantization.dequantize_once`): every 4-bit linear weight again,
+    dense in the layers' compute dtype, beside its NF4 form. `(whole model, one decoder layer)`; 0 when off."""
+    if not (s.nf4_dequantize_once and s.load_in_4bit):
+        return 0, 0
+    dtype = s.weight_dtype if s.nf4_compute_dtype == "auto" else s.nf4_compute_dtype
+    layer = sum(a * b for a, b in shape.linear_shapes().values()) * DTYPE_BYTES[dtype]
+    return shape.num_layers * layer, layer
 
 
 def _add_rollout_copy(parts: dict, per_model: dict, per_layer: dict, shape: ModelShape, s: MemorySettings) -> None:
@@ -495,6 +510,11 @@ def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     act = _update_activations(shape, s, forwards)
     parts["activations"] = act.pop("activations")
     _add_rollout_copy(parts, per_model, per_layer, shape, s)
+    dense, dense_layer = dequantized_once_bytes(shape, s)
+    if dense:
+        parts["weights"] += dense
+        per_layer["weights"] += dense_layer
+        per_model["4-bit layers dequantized once"] = dense
     return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n, **act)
 
 

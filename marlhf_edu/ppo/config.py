@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.cpu_products import native_low_precision_products
 from marlhf_edu.loading.quantization import NF4_COMPUTE_DTYPES
 from marlhf_edu.math.kl import KL_KINDS
 from marlhf_edu.math.ppo_objective import LOSS_AGGREGATIONS
@@ -33,6 +36,7 @@ SENTIMENT_DATASET = "everyday-prompts"
 ROLLOUT_CACHES = ("dynamic", "static")
 #: Settings a resume may change freely: they do not define what has been trained so far.
 RESUME_FREE = ("total_steps", "save_steps", "resume", "resume_overrides", "report_to", "output_dir", "device",
+               "nf4_dequantize_once",
                "eval_repeats", "eval_prompts", "eval_every", "eval_every_prompts")
 #: Settings a resume may change only when `resume_overrides` names them; the new value is then applied for real.
 RESUME_OVERRIDABLE = ("learning_rate", "critic_learning_rate", "kl_coef", "cliprange", "cliprange_value", "vf_coef",
@@ -54,12 +58,13 @@ class PPOConfig:
     critic: str = field(default="separate", metadata={"help": "four-model only: 'separate' (a critic with its own backbone, chapter 09) or 'shared_head' (a value head on the actor's last hidden state, trl 0.11's AutoModelForCausalLMWithValueHead: one forward, one backbone less)"})
     merged_rollout: bool = field(default=False, metadata={"help": "sample rollouts from a dense copy of the policy with its LoRA merged (NF4 bases dequantized), refreshed after every update; log-probs still come from the training path. Needs a LoRA policy; costs one dense copy of the model"})
     rollout_cache: str = field(default="dynamic", metadata={"help": "merged_rollout only: 'dynamic' (a KV cache that grows token by token) or 'static' (one preallocated KV cache of max_prompt_length + max_new_tokens; prompts are left-padded to max_prompt_length so every step samples in one shape, and on CUDA transformers compiles the decode step into CUDA graphs). The samples follow the same distribution; on CUDA the compiled kernels round differently (rollout/logprob_gap shows it)"})
-    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling for merged_rollout: each answer token's policy loss is weighted by min(π_train/π_sampler, tis_cap), the correction for tokens drawn from a copy that is not exactly the policy (verl's and OpenRLHF's for vLLM; 2 is common); 0 = off"})
+    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling: each answer token's policy loss is weighted by min(π_train/π_sampler, tis_cap), π_sampler recorded as each token was drawn; the correction for tokens drawn from a sampler that is not exactly the training forward: a merged copy (merged_rollout), or the policy decoding in bf16, whose one-token steps round differently (verl's and OpenRLHF's for vLLM; 2 is common); 0 = off"})
     merged_reward: bool = field(default=False, metadata={"help": "score with the reward LoRA merged into dense weights (one matmul per layer instead of three; scores equal to float rounding): four-model, into the reward model's own fp32 copy of its base; multi-adapter, into the merged_rollout copy between samples (needs merged_rollout: true; the copy is rebuilt twice a step, the base never changes). Off by default so that stored runs replay exactly"})
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
     double_quant: bool = field(default=True, metadata={"help": "NF4 double quantization of the scales"})
     nf4_compute_dtype: str = field(default="auto", metadata={"help": "with load_in_4bit: 'auto' (bf16 on CUDA, fp32 on CPU), 'float32' (fp32 on CUDA too, with an fp32 residual stream, as on the CPU) or 'bfloat16'"})
+    nf4_dequantize_once: bool = field(default=False, metadata={"help": "CPU, with load_in_4bit: each 4-bit layer dequantizes its frozen weight once and keeps it, in its compute dtype, instead of on every forward and backward: the same outputs and gradients bit for bit, the layers' weights held again densely (2 or 4 bytes each)"})
     # ---- data -----------------------------------------------------------------------------
     dataset_name: str = field(default="toy", metadata={"help": "'toy' or a .json/.jsonl/.parquet file / hub dataset with a 'prompt' column"})
     dataset_split: str = field(default="train", metadata={"help": "split of a hub dataset to read prompts from (files have one)"})
@@ -219,9 +224,9 @@ class PPOConfig:
              "eval_every: 0 for this data")
         need(self.eval_every >= 0 and self.eval_every_prompts >= 2,
              f"eval_every must be >= 0 and eval_every_prompts >= 2, got {self.eval_every} and {self.eval_every_prompts}")
-        need(self.tis_cap == 0 or (self.tis_cap >= 1 and self.merged_rollout),
-             f"tis_cap corrects sampling from a merged copy: it needs merged_rollout: true and a cap >= 1 (or 0 = off), "
-             f"got tis_cap {self.tis_cap}, merged_rollout {self.merged_rollout}")
+        need(self.tis_cap == 0 or self.tis_cap >= 1,
+             f"tis_cap weights each token by min(π_train/π_sampler, cap): the cap must be >= 1 (or 0 = off), "
+             f"got {self.tis_cap}")
         need(self.rollout_cache in ROLLOUT_CACHES,
              f"rollout_cache must be one of {ROLLOUT_CACHES}, got {self.rollout_cache!r}")
         need(self.rollout_cache == "dynamic" or self.merged_rollout,
@@ -229,8 +234,17 @@ class PPOConfig:
              "dense copy: a LoRA on a 4-bit base does not compile into one graph)")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(not self.nf4_dequantize_once or (self.load_in_4bit and self.resolved_device == "cpu"),
+             "nf4_dequantize_once keeps a CPU run's 4-bit weights dequantized: it needs load_in_4bit: true and the "
+             f"CPU (got load_in_4bit {self.load_in_4bit}, device {self.resolved_device}); on a GPU bitsandbytes' own "
+             "kernels run and the 4-bit memory is the point")
         need(self.nf4_compute_dtype in NF4_COMPUTE_DTYPES,
              f"nf4_compute_dtype must be one of {NF4_COMPUTE_DTYPES}, got {self.nf4_compute_dtype!r}")
+        need(not (self.nf4_dequantize_once and self.nf4_compute_dtype == "bfloat16")
+             or native_low_precision_products(torch.bfloat16),
+             "nf4_dequantize_once with nf4_compute_dtype: bfloat16 runs the 4-bit layers as plain bf16 matmuls, and "
+             "this CPU's PyTorch has no bf16 matrix kernels (AVX2 only): their backward would take PyTorch's scalar "
+             "loop. Compute in fp32 here (nf4_compute_dtype: auto, e.g. configs/smollm2/ma_ppo.yaml)")
         return self
 
     def validate_data_parallel(self, world_size: int) -> "PPOConfig":

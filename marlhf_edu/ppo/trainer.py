@@ -275,9 +275,12 @@ class PPOTrainer:
         first_chunk = dp.rank * len(chunks)
 
         with self.timer("generate"):  # (a stale merged copy is rebuilt here)
-            # sampled from a separate copy (merged_rollout): keep the log-probs each token was drawn with, π_sampler
-            separate_sampler = be.sampling_model() is not be.policy_model
-            drawn = [self._sample(prompt_ids[c], prompt_mask[c], first_chunk + i, separate_sampler)
+            # sampled from a separate copy (merged_rollout), or corrected by tis_cap: keep the log-probs each token
+            # was drawn with, π_sampler. The policy decoding itself differs from its own full forward too, by how the
+            # kernels round a one-token step against a whole sequence: nothing in fp32, 0.01-0.02 nats/token in bf16
+            # (SmolLM2, chapter 09)
+            record_sampler = be.sampling_model() is not be.policy_model or cfg.tis_cap > 0
+            drawn = [self._sample(prompt_ids[c], prompt_mask[c], first_chunk + i, record_sampler)
                      for i, c in enumerate(chunks)]
         responses = [ids[:, P:] for ids, _ in drawn]
         R = dp.max_int(max(r.shape[1] for r in responses))
@@ -329,9 +332,9 @@ class PPOTrainer:
         logprobs, values, entropy, ref_logprobs = (_in_row_order(order, x).float()
                                                    for x in (logprobs, values, entropy, ref_logprobs))
         logprob_gap = tis_weights = None
-        if separate_sampler:
+        if record_sampler:
             sampled = torch.cat([torch.nn.functional.pad(lp, (0, R - lp.shape[1])) for _, lp in drawn]).float()
-            # the training-inference mismatch: tokens drawn from the copy, trained on as if from the policy
+            # the training-inference mismatch: tokens drawn from the sampler, trained on as if from the policy
             total, count = dp.gather(torch.stack([_masked_sum((sampled - logprobs).abs(), response_mask).sum(),
                                                   response_mask.sum().float()])[None]).sum(0)
             logprob_gap = total / count.clamp_min(1.0)
