@@ -210,14 +210,20 @@ def test_the_planner_counts_the_dequantized_weights_a_run_keeps():
     import bitsandbytes as bnb
     from dataclasses import replace
 
+    from marlhf_edu.memory.measure import state_bytes_by_kind
     from marlhf_edu.memory.plan import MemorySettings, ModelShape, dequantized_once_bytes, plan_multi_adapter
 
     shape = ModelShape.resolve(str(SFT_DIR))
     for dtype in ("float32", "bfloat16"):
-        _, once = nf4_lora_pair(True, dtype)
+        plain, once = nf4_lora_pair(True, dtype)
         with torch.no_grad():
             once(input_ids=torch.tensor([[1, 40, 41]]))
+            plain(input_ids=torch.tensor([[1, 40, 41]]))
         held = sum(m.__dict__["_dequantized"][1].nbytes for m in once.modules() if isinstance(m, bnb.nn.Linear4bit))
+        assert held > 0
+        # the measurement counts them with the base's weights
+        with_once, without = state_bytes_by_kind({"policy": once}), state_bytes_by_kind({"policy": plain})
+        assert with_once["weights"] - without["weights"] == held
         s = MemorySettings(load_in_4bit=True, nf4_dequantize_once=True, nf4_compute_dtype=dtype)
         assert dequantized_once_bytes(shape, s)[0] == held
         off = plan_multi_adapter(shape, replace(s, nf4_dequantize_once=False))

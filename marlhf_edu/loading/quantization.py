@@ -181,6 +181,15 @@ def dequantize_once(model: torch.nn.Module) -> int:
     return guarded
 
 
+def dequantized_weights(model: torch.nn.Module):
+    """The dense weights `dequantize_once` layers of `model` hold now (each made at its layer's first call): what the
+    memory measurement counts beside parameters and buffers."""
+    for module in model.modules():
+        kept = module.__dict__.get("_dequantized")
+        if kept is not None:
+            yield kept[1]
+
+
 def load_nf4(model_class, path, device: str = "cpu", double_quant: bool = True, **kwargs):
     """`model_class.from_pretrained(path)` as an NF4 base on `device`, guarded by `keep_nf4_trainable`."""
     model = model_class.from_pretrained(str(path), **nf4_loading_kwargs(device, double_quant), **kwargs)

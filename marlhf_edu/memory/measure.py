@@ -19,6 +19,7 @@ import resource
 import subprocess
 import sys
 
+from marlhf_edu.loading.quantization import dequantized_weights
 from marlhf_edu.math.logprobs import logprobs_from_logits
 from marlhf_edu.math.scoring import position_ids_from_mask
 
@@ -135,6 +136,7 @@ def _module_tensors(module):
         yield p
         yield from quant_state_tensors(p)
     yield from module.buffers()
+    yield from dequantized_weights(module)  # nf4_dequantize_once: the dense copies its 4-bit layers keep
 
 
 def _optimizer_tensors(optimizer, params=None):
@@ -188,6 +190,7 @@ def state_bytes_by_kind(models: dict, optimizer=None) -> dict[str, int]:
             out[kind] += _count([p, *quant_state_tensors(p)], seen)
             params.append(p)
         out["weights"] += _count(module.buffers(), seen)
+        out["weights"] += _count(dequantized_weights(module), seen)
     out["gradients"] = storage_bytes(p.grad for p in params if p.grad is not None)
     out["optimizer"] = storage_bytes(_optimizer_tensors(optimizer, set(params))) if optimizer is not None else 0
     out["total"] = sum(out.values())

@@ -250,7 +250,7 @@ def what_lowers(need, s) -> str:
               "scoring": "lower forward_batch_size",
               "update": ", ".join(update)}[need.peak_phase]
     merged = ("turn merged_rollout off (its dense copy of the model stays allocated; with it rollout_cache: "
-              "dynamic and tis_cap: 0), " if s.merged_rollout else "")
+              "dynamic), " if s.merged_rollout else "")
     return merged + advice
 
 
