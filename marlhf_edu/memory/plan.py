@@ -42,6 +42,7 @@ import pathlib
 from dataclasses import dataclass, field, replace
 
 from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading.quantization import NF4_COMPUTE_DTYPES
 from marlhf_edu.loading.assets import SFT_DIR
 from marlhf_edu.loading.sources import readable_checkpoint, resolve_model, resolve_zoo
 from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
@@ -172,8 +173,8 @@ class MemorySettings:
                 raise ConfigError(f"{name} must be one of {sorted(DTYPE_BYTES)}, got {getattr(self, name)!r}")
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise ConfigError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_FACTOR)}, got {self.optimizer!r}")
-        if self.nf4_compute_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"nf4_compute_dtype must be 'auto', 'float32' or 'bfloat16', got {self.nf4_compute_dtype!r}")
+        if self.nf4_compute_dtype not in NF4_COMPUTE_DTYPES:
+            raise ConfigError(f"nf4_compute_dtype must be one of {NF4_COMPUTE_DTYPES}, got {self.nf4_compute_dtype!r}")
         if self.critic not in ("separate", "shared_head"):
             raise ConfigError(f"critic must be 'separate' or 'shared_head', got {self.critic!r}")
         if self.value_mode not in ("shared", "adapter"):
