@@ -165,6 +165,14 @@ def test_the_committed_fast_launch_record_meets_the_step_target():
     third = json.loads((ROOT / "benchmarks" / "gpu_check_h200_third.json").read_text())
     assert third["machine"]["gpu"] == "NVIDIA H200" and all(third["ppo_fast"]["checks"].values())
     assert third["ppo_fast"]["rollout_cache"] == "static" and third["ppo_fast"]["median_step_after_first_s"] <= 10.0
+    # the first record whose gap comes from the decode itself: present at step 1 already (the LoRA still zero),
+    # where the records from full forwards of the copy saw under 0.01
+    fourth = json.loads((ROOT / "benchmarks" / "gpu_check_h200_fourth.json").read_text())
+    run = fourth["ppo_fast"]
+    assert fourth["machine"]["gpu"] == "NVIDIA H200" and all(run["checks"].values())
+    assert run["rollout_cache"] == "static" and run["median_step_after_first_s"] <= 10.0
+    assert run["logprob_gap"][0] > 0.05 and third["ppo_fast"]["logprob_gap"][0] < 0.01
+    assert all(abs(w - 1) < 0.01 for w in run["tis_weight_mean"])
 
 
 def test_a_record_from_another_machine_is_not_merged(tmp_path):
