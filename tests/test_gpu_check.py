@@ -173,6 +173,12 @@ def test_the_committed_fast_launch_record_meets_the_step_target():
     assert run["rollout_cache"] == "static" and run["median_step_after_first_s"] <= 10.0
     assert run["logprob_gap"][0] > 0.05 and third["ppo_fast"]["logprob_gap"][0] < 0.01
     assert all(abs(w - 1) < 0.01 for w in run["tis_weight_mean"])
+    # the packed engine on a GPU: the fast launch and the recipe's own sampler (the policy packed at one row per
+    # forward), every check true
+    packed = json.loads((ROOT / "benchmarks" / "gpu_check_h200_packed.json").read_text())
+    assert packed["machine"]["gpu"] == "NVIDIA H200"
+    assert all(packed["ppo_fast"]["checks"].values()) and all(packed["ppo"]["checks"].values())
+    assert packed["ppo_fast"]["median_step_after_first_s"] <= 10.0 and packed["ppo"]["merged_rollout"] is False
 
 
 def test_a_record_from_another_machine_is_not_merged(tmp_path):

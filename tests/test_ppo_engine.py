@@ -192,6 +192,25 @@ def test_a_skipped_minibatch_takes_no_optimizer_step(tmp_path, prompts):
     assert record["ppo/skipped_minibatches"] == 2
 
 
+def test_every_minibatch_is_clipped_to_max_grad_norm(tmp_path, prompts):
+    """max_grad_norm bounds the gradient of every optimizer step, not only the first. trl 0.11.4 keeps its trainable
+    parameters as a `filter` object, which the first `clip_grad_norm_` call exhausts: later minibatches are clipped
+    over no parameters at all (site/benchmarks.md)."""
+    trainer = make_trainer(tmp_path, prompts, max_grad_norm=1e-3)
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    norms, real_step = [], trainer.optimizer.step
+
+    def step(*a, **k):
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))))
+        return real_step(*a, **k)
+
+    trainer.optimizer.step = step
+    trainer.step()
+    trainer.step()
+    assert len(norms) == 4  # 8 rollouts in minibatches of 4, two steps
+    assert all(n <= 1e-3 * (1 + 1e-4) for n in norms), norms
+
+
 def test_evaluation_sampling_restores_every_rng(monkeypatch):
     from marlhf_edu.ppo import trainer as trainer_module
 

@@ -12,8 +12,8 @@ from marlhf_edu.math.scoring import append_missing_eos
 from marlhf_edu.ppo import FourModelBackend
 from marlhf_edu.ppo import trainer as trainer_module
 from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
-from marlhf_edu.ppo.trainer import cuts_policy_forwards
-from marlhf_edu.ppo.used_columns import pad_columns, right_aligned, trim_columns, used_span
+from marlhf_edu.ppo.trainer import cuts_policy_forwards, splits_no_grad_forwards
+from marlhf_edu.ppo.used_columns import packed, pad_columns, right_aligned, unpacked
 
 SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_size=8, max_new_tokens=12,
              actor_lora_r=8, actor_lora_alpha=16, device="cpu", eval_repeats=0, learning_rate=1e-3)
@@ -21,22 +21,34 @@ SMALL = dict(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_
 TOLERANCE = 1e-4
 
 
-def test_used_span_cuts_the_padding_every_row_shares():
+def test_packed_rows_hold_each_prompt_and_response_together():
     # P = 5 prompt columns (left-padded), R = 4 response columns (masked after EOS)
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0, 0],
-                         [0, 0, 0, 1, 1, 1, 0, 0, 0]])
-    assert used_span(mask, 4) == (2, 7)
-    ids = torch.arange(18).view(2, 9)
-    cut_ids, cut_mask, r = trim_columns(ids, mask, 4)
-    assert r == 2 and torch.equal(cut_ids, ids[:, 2:7]) and torch.equal(cut_mask, mask[:, 2:7])
-    # the last prompt column and one response column stay even when nothing there is attended to
-    assert used_span(torch.tensor([[0, 0, 0, 0, 0, 0]]), 2) == (3, 5)
-    assert used_span(torch.tensor([[1, 1, 1, 1, 0, 0]]), 2) == (0, 5)
-    # nothing to cut
-    assert used_span(torch.ones(2, 6, dtype=torch.long), 2) == (0, 6)
-    for bad in (0, 6):
+    ids = torch.tensor([[0, 0, 11, 12, 13, 21, 22, 0, 0],
+                        [0, 0, 0, 14, 15, 23, 0, 0, 0],
+                        [16, 17, 18, 19, 20, 24, 25, 26, 27]])
+    mask = (ids != 0).long()
+    got_ids, got_mask, r, lengths = packed(ids, mask, 4)
+    assert lengths.tolist() == [2, 1, 4] and r == 4
+    # the longest row (5 + 4 tokens) sets the width; the prompt/response layout's cut would keep all 9 columns
+    assert got_ids.tolist() == [[0, 0, 0, 0, 11, 12, 13, 21, 22], [0, 0, 0, 0, 0, 0, 14, 15, 23],
+                                [16, 17, 18, 19, 20, 24, 25, 26, 27]]
+    assert torch.equal(got_mask, (got_ids != 0).long())
+    # short rows only: the width is the longest prompt + response, r the longest response
+    got_ids, _, r, lengths = packed(ids[:2], mask[:2], 4)
+    assert got_ids.tolist() == [[11, 12, 13, 21, 22], [0, 0, 14, 15, 23]] and r == 2
+    for bad in (0, 9):
         with pytest.raises(ValueError, match="n_response"):
-            used_span(torch.ones(2, 6, dtype=torch.long), bad)
+            packed(ids, mask, bad)
+
+
+def test_unpacked_moves_each_response_back_to_the_front():
+    # row 0 holds 2 response tokens in the last 2 of r = 3 columns, row 1 all 3, row 2 none
+    x = torch.tensor([[9.0, 1.0, 2.0], [3.0, 4.0, 5.0], [7.0, 7.0, 7.0]], requires_grad=True)
+    out = unpacked(x, torch.tensor([2, 3, 0]), 5)
+    assert out.tolist() == [[1.0, 2.0, 0.0, 0.0, 0.0], [3.0, 4.0, 5.0, 0.0, 0.0], [0.0] * 5]
+    out.sum().backward()
+    assert x.grad.tolist() == [[0.0, 1.0, 1.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]  # none into the prompt's column
+    assert unpacked(None, torch.tensor([1]), 3) is None
 
 
 def test_right_aligned_rows_end_in_the_last_column():
@@ -101,7 +113,7 @@ def test_the_updates_cut_forward_has_the_whole_batchs_gradient(tmp_path, prompts
     r = trainer.rollout(trainer.batch_prompts(0))
     rows = torch.argsort(r.attention_mask.sum(1))[:4]  # the four shortest: columns to cut on both sides
     ids, mask, R = r.input_ids[rows], r.attention_mask[rows], r.n_response
-    assert trim_columns(ids, mask, R)[0].shape[1] < ids.shape[1]
+    assert packed(ids, mask, R)[0].shape[1] < ids.shape[1]
     params = [p for group in be.parameter_groups().values() for p in group if p.requires_grad]
     m = r.response_mask[rows]
 
@@ -142,3 +154,44 @@ def test_policy_forwards_are_cut_only_where_rollout_and_update_stay_alike(tmp_pa
         trainer.update(r)
         assert len(widths) == 2 * 8 // 2  # the rollout's forwards and the update's (one epoch), two rows each
         assert (min(widths) < r.input_ids.shape[1]) == cut
+
+
+@pytest.mark.parametrize("backend_cls", [MultiAdapterBackend, FourModelBackend])
+def test_reward_and_reference_forwards_take_the_policys_rows_on_a_cpu(tmp_path, prompts, monkeypatch, backend_cls):
+    """On a CPU the reward model and the reference read the rollout in the policy's micro-batches of the sorted
+    chunk, each cut to its columns; a GPU reads whole chunks. Either way each row gets its own score and reference
+    log-probs (a forward over the whole padded batch, up to fp32 rounding)."""
+    assert splits_no_grad_forwards("cpu") and not splits_no_grad_forwards(torch.device("cuda"))
+    for split in (True, False):
+        monkeypatch.setattr(trainer_module, "splits_no_grad_forwards", lambda device: split)
+        trainer = build_trainer(tmp_path / f"{backend_cls.__name__}{split}", backend_cls, prompts, SMALL)
+        be, cfg = trainer.backend, trainer.config
+        shapes = {"scores": [], "reference": []}
+        real_scores, real_reference = be.scores, be.reference_logprobs
+
+        def scores(input_ids, *a, **k):
+            shapes["scores"].append(tuple(input_ids.shape))
+            return real_scores(input_ids, *a, **k)
+
+        def reference(input_ids, *a, **k):
+            shapes["reference"].append(tuple(input_ids.shape))
+            return real_reference(input_ids, *a, **k)
+
+        be.scores, be.reference_logprobs = scores, reference
+        torch.manual_seed(1)
+        r = trainer.rollout(trainer.batch_prompts(0))
+        be.scores, be.reference_logprobs = real_scores, real_reference
+        rows = cfg.micro_batch_size if split else cfg.forward_batch_size
+        for name, seen in shapes.items():
+            assert [b for b, _ in seen] == [rows] * (cfg.batch_size // rows), name
+        if split:  # sorted shortest first: the first micro-batch is the narrowest
+            assert shapes["reference"][0][1] < shapes["reference"][-1][1]
+        R = r.n_response
+        with torch.no_grad():
+            ref = be.reference_logprobs(r.input_ids, r.attention_mask, R, cfg.temperature)
+            ids, mask = append_missing_eos(r.input_ids, r.attention_mask, r.has_eos, be.tokenizer.eos_token_id,
+                                           be.tokenizer.pad_token_id)
+            want_scores = be.scores(ids, mask)
+        m = r.response_mask
+        assert (r.ref_logprobs[m] - ref[m].float()).abs().max() < TOLERANCE
+        assert (r.raw_scores - want_scores).abs().max() < TOLERANCE

@@ -9,15 +9,15 @@ trl 0.11.4 needs its own environment (it cannot share one with transformers 5); 
     trl011/bin/pip install trl==0.11.4 transformers==4.44.2 peft==0.12.0 accelerate==0.34.2 \
         "datasets<3" "numpy<2" "pyarrow<16" rich
 
-The same work: the shipped tiny SFT model and reward model (its LoRA merged, scored in one batch at the last
-real token), the toy prompts in the order our trainer visits them, the batch shape of `configs/tiny_ppo.yaml`
-(64 rollouts, mini-batch 16, 32 new tokens at T = 1, 1 PPO epoch), AdamW with the gradient norm clipped at our
-config's `max_grad_norm` (1.0, as MA-RLHF's PPO config has it; trl's default is no clipping), fp32, on this
-machine's cores. The
-models are written in transformers 4.44's format first (its config keys; BPE merges as "a b" strings, which
-tokenizers of that era need). Each engine runs in a fresh process, one after the other; the mean of steps
-3 … N of each is reported (the first steps pay for warm-up), with each engine's mean response length, since the
-time of a step grows with it.
+The same work: the shipped tiny SFT model and reward model (its LoRA merged, scored in one batch at the last real
+token), the toy prompts in the order our trainer visits them, the batch shape of `configs/tiny_ppo.yaml` (64
+rollouts, mini-batch 16, 32 new tokens at T = 1, 1 PPO epoch), AdamW with the gradient norm clipped at our config's
+`max_grad_norm` (1.0, as MA-RLHF's PPO config has it; trl's default is no clipping) in every minibatch (unpatched,
+trl 0.11.4 clips a run's first minibatch and no other: `trl_worker` makes its parameter `filter` a list), fp32, on
+this machine's cores. The models are written in transformers 4.44's format first (its config keys; BPE merges as
+"a b" strings, which tokenizers of that era need). Each engine runs in a fresh process, one after the other; the
+mean of steps 3 … N of each is reported (the first steps pay for warm-up), with each engine's mean response length,
+since the time of a step grows with it.
 
 Cases (ours, then trl's):
     full       `ppo` (separate critic, as the book teaches), `ppo --critic shared_head` and the same with
@@ -154,6 +154,9 @@ def trl_worker(workdir: pathlib.Path, case: str, skip: int) -> dict:
                        cliprange=0.2, cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, seed=job["seed"],
                        max_grad_norm=job["max_grad_norm"], log_with=None)  # ours clips (1.0), as MA-RLHF's config does
     trainer = PPOTrainer(config, model, ref, tokenizer)
+    # trl 0.11.4 keeps the trainable parameters as a `filter` object, which its first clip_grad_norm_ call exhausts:
+    # unpatched it clips the first minibatch of a run and no other. A list makes it clip every minibatch, as ours does
+    trainer.model_params = list(trainer.model_params)
     sampling = dict(max_new_tokens=job["max_new_tokens"], do_sample=True, top_k=0, top_p=1.0,
                     temperature=job["temperature"], pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id)

@@ -259,8 +259,8 @@ def cache_bytes(past_key_values) -> int:
 
 
 def widest_rows(attention_mask, n_response: int, k: int):
-    """Indices of `k` rows of a (B, P + R) batch whose used columns span as much of its width as `k` rows can: the
-    row with the longest prompt and the row with the longest answer first (one row: the one with the most tokens)."""
+    """Indices of `k` rows of a (B, P + R) batch, the row with the longest prompt and the row with the longest answer
+    first (one row: the one with the most tokens)."""
     import torch
 
     P = attention_mask.shape[1] - n_response
@@ -270,6 +270,28 @@ def widest_rows(attention_mask, n_response: int, k: int):
         first = [int(attention_mask[:, :P].sum(dim=1).argmax()), int(attention_mask[:, P:].sum(dim=1).argmax())]
     order = list(dict.fromkeys(first + list(range(attention_mask.shape[0]))))
     return torch.tensor(order[:k], device=attention_mask.device)
+
+
+def spanning_rollout(rollout, rows):
+    """`rollout` with row `rows[0]` given the answer of row `rows[1]` (token ids, masks and every per-answer tensor):
+    with the longest prompt and the longest answer (`widest_rows`) that row spans the batch's width P + R even in
+    the packed layout the update reads (`ppo.used_columns.packed`), the planner's case. Only its memory means
+    anything: its old log-probs belong to another prompt."""
+    import dataclasses
+
+    if len(rows) < 2 or int(rows[0]) == int(rows[1]):
+        return rollout
+    a, b = int(rows[0]), int(rows[1])
+    R = rollout.n_response
+    changed = {}
+    for field in dataclasses.fields(rollout):
+        x = getattr(rollout, field.name)
+        if not (hasattr(x, "dim") and x.dim() == 2):
+            continue
+        x = x.clone()
+        x[a, -R:] = x[b, -R:]
+        changed[field.name] = x
+    return dataclasses.replace(rollout, **changed)
 
 
 def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
@@ -298,10 +320,11 @@ def ppo_memory(trainer, rows: int | None = None) -> dict[str, dict[str, int]]:
                               use_cache=True, logits_to_keep=n_response + 1)
         activations = {"kv_cache": cache_bytes(out.past_key_values), "logits": out.logits.float().nbytes}
         del out
-    # one micro-batch, as `PPOTrainer.update` runs one; the update cuts a micro-batch to the columns its rows use
-    # (`used_columns`), so it holds the widest prompt and the longest answer: as wide as the batch, the planner's case
+    # one micro-batch, as `PPOTrainer.update` runs one; the update packs a micro-batch's rows (`used_columns`), so
+    # one of them joins the longest prompt to the longest answer: as wide as the batch, the planner's case
     micro = widest_rows(mask, n_response, cfg.micro_batch_size)
-    (loss, _), activations["activations"] = saved_tensor_bytes(lambda: trainer.micro_batch_loss(rollout, micro),
+    spanning = spanning_rollout(rollout, micro)
+    (loss, _), activations["activations"] = saved_tensor_bytes(lambda: trainer.micro_batch_loss(spanning, micro),
                                                                *be.models().values())
     loss.backward()
     out = {"model": state_bytes_by_kind(be.models(), trainer.optimizer),

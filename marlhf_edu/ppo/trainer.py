@@ -49,7 +49,7 @@ from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
 from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
                                       seal_checkpoint, set_aside_stopped_run)
-from marlhf_edu.ppo.used_columns import pad_columns, right_aligned, trim_columns
+from marlhf_edu.ppo.used_columns import packed, right_aligned, unpacked
 
 #: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
 #: no-grad policy/critic forward, the reference forward, and the PPO update.
@@ -165,8 +165,17 @@ def check_prompt_lengths(prompts: list[str], tokenizer, max_prompt_length: int) 
 
 
 def cuts_policy_forwards(micro_batch_size: int, device: torch.device) -> bool:
-    """Whether the policy's forwards are cut to the columns their rows use (`PPOTrainer._policy_forward`)."""
+    """Whether the policy's forwards read their rows packed (`used_columns.packed`, `PPOTrainer._policy_forward`)."""
     return micro_batch_size == 1 or torch.device(device).type == "cpu"
+
+
+def splits_no_grad_forwards(device: torch.device) -> bool:
+    """Whether the rollout's reward-model and reference forwards take the policy's rows per forward (a micro-batch
+    of the sorted chunk, cut to its columns) rather than a whole chunk. On a CPU the narrower forwards are faster:
+    rows sorted by length share fewer padded columns, and a smaller forward's activations stay in the caches (the
+    tiny model's `ppo --critic shared_head` step on a 2-core AMD EPYC: the reference phase 0.085-0.10 s with one
+    forward of 64 rows, 0.069-0.073 s with four of 16). A GPU is faster with the whole chunk in one forward."""
+    return torch.device(device).type == "cpu"
 
 
 def _in_row_order(order: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -291,6 +300,11 @@ class PPOTrainer:
         attention_mask = torch.cat([prompt_mask.bool(), response_mask], dim=1).long()
 
         has_eos = ((response == tok.eos_token_id) & response_mask).any(dim=1)
+        # the policy's no-grad forwards take the update's rows per forward (micro_batch_size, below); on a CPU the
+        # reward model's and the reference's take them too (`splits_no_grad_forwards`)
+        micro = [slice(c.start + m.start, c.start + m.stop) for c in chunks
+                 for m in self._chunks(c.stop - c.start, cfg.micro_batch_size)]
+        no_grad_rows = micro if splits_no_grad_forwards(be.device) else chunks
         with self.timer("score"):
             # the reward model was trained on texts that end with EOS: a response cut off at max_new_tokens is read
             # with EOS appended (the policy's tokens are unchanged), and the truncation is charged explicitly by
@@ -298,14 +312,14 @@ class PPOTrainer:
             score_ids, score_mask = (append_missing_eos(input_ids, attention_mask, has_eos, tok.eos_token_id,
                                                         tok.pad_token_id)
                                      if cfg.truncated_scoring == "append_eos" else (input_ids, attention_mask))
-            # the no-grad forwards take each chunk's rows shortest first, cut to the columns they use
-            # (`trim_columns`): rows of like length share a micro-batch, and only the shapes change. Sorting within
-            # a chunk keeps every chunk's rows what they were (a rank's shard is its chunks on one process too).
-            # The reward model reads the last token alone: its rows are right-aligned first (`right_aligned`)
+            # the no-grad forwards take each chunk's rows shortest first, each row's prompt and response together
+            # at the right (`packed`, `right_aligned`): rows of like length share a forward, and only the shapes
+            # change. Sorting within a chunk keeps every chunk's rows what they were (a rank's shard is its chunks
+            # on one process too). The reward model reads the last token alone
             lengths = attention_mask.sum(dim=1)
             order = torch.cat([c.start + torch.argsort(lengths[c], stable=True) for c in chunks])
             raw_scores = _in_row_order(order, [be.scores(*right_aligned(score_ids[order[c]], score_mask[order[c]]))
-                                               for c in chunks]).float()
+                                               for c in no_grad_rows]).float()
             rm_scores = None
             if self.reward_fn is not None:  # the positive control: PPO optimises this, the reward model is logged
                 texts = [t.strip() for t in tok.batch_decode(response, skip_special_tokens=True)]
@@ -317,18 +331,16 @@ class PPOTrainer:
         # ratio is exp(new - old): GPU kernels can round differently for different batch shapes. On an H100 at 7B,
         # 16 rows vs 1 differed by 0.033 per token on average (0.16 at most) once the LoRA was not zero; with these
         # rows the difference measured 0.0 (benchmarks/gpu_check.json)
-        micro = [slice(c.start + m.start, c.start + m.stop) for c in chunks
-                 for m in self._chunks(c.stop - c.start, cfg.micro_batch_size)]
         logprobs, values, entropy, ref_logprobs = [], [], [], []
         for rows in micro:
             with self.timer("policy"):
                 lp, v, ent = self._policy_forward(input_ids[order[rows]], attention_mask[order[rows]], R,
                                                   with_entropy=True)
             logprobs.append(lp); values.append(v); entropy.append(ent)
-        for c in chunks:
+        for c in no_grad_rows:
             with self.timer("reference"):
-                ids, mask, r = trim_columns(input_ids[order[c]], attention_mask[order[c]], R)
-                ref_logprobs.append(pad_columns(be.reference_logprobs(ids, mask, r, cfg.temperature), R))
+                ids, mask, r, lengths = packed(input_ids[order[c]], attention_mask[order[c]], R)
+                ref_logprobs.append(unpacked(be.reference_logprobs(ids, mask, r, cfg.temperature), lengths, R))
         logprobs, values, entropy, ref_logprobs = (_in_row_order(order, x).float()
                                                    for x in (logprobs, values, entropy, ref_logprobs))
         logprob_gap = tis_weights = None
@@ -428,17 +440,18 @@ class PPOTrainer:
 
     def _policy_forward(self, input_ids, attention_mask, n_response: int, with_entropy: bool):
         """`backend.policy_forward`, (B, `n_response`) outputs; the rollout's old log-probs and the update's new
-        ones both come from here. Cut to the columns these rows use (`trim_columns`, zero where cut) where that
-        keeps the two forwards of a row alike: one row per forward (the cut is the row's own length in both), or a
-        CPU, whose fp32 results differ by batch shape only at rounding (below 2e-6 on the tiny model). A GPU's bf16
-        kernels round by shape (0.033 per token at 7B, 16 rows against 1), and a micro-batch of the update holds
-        other rows, so another width, than the rollout's: there the forwards keep the batch's width."""
-        if cuts_policy_forwards(self.config.micro_batch_size, self.backend.device):
-            ids, mask, r = trim_columns(input_ids, attention_mask, n_response)
-        else:
-            ids, mask, r = input_ids, attention_mask, n_response
+        ones both come from here. Packed (`packed`: each row's prompt and response together at the right, the
+        columns no row uses cut; outputs back in the batch's layout, zero after each response) where that keeps the
+        two forwards of a row alike: one row per forward (the row's own tokens in both), or a CPU, whose fp32
+        results differ by batch shape only at rounding (below 2e-6 on the tiny model). A GPU's bf16 kernels round
+        by shape (0.033 per token at 7B, 16 rows against 1), and a micro-batch of the update holds other rows, so
+        another width, than the rollout's: there the forwards keep the batch's layout."""
+        if not cuts_policy_forwards(self.config.micro_batch_size, self.backend.device):
+            return self.backend.policy_forward(input_ids, attention_mask, n_response, self.config.temperature,
+                                               with_entropy=with_entropy)
+        ids, mask, r, lengths = packed(input_ids, attention_mask, n_response)
         out = self.backend.policy_forward(ids, mask, r, self.config.temperature, with_entropy=with_entropy)
-        return tuple(pad_columns(x, n_response) for x in out)
+        return tuple(unpacked(x, lengths, n_response) for x in out)
 
     def micro_batch_loss(self, r: Rollout, rows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`ppo_loss` of rollout rows `rows` under the current policy and critic (one forward with the graph)."""

@@ -1,20 +1,27 @@
 """Forward passes over the columns a chunk of rows uses, not the whole batch's width.
 
 A rollout's rows are prompts left-padded to the batch's widest, then responses right-padded to the batch's
-longest (every token after a row's EOS is masked). A forward over a chunk of those rows (a forward batch, a
-micro-batch of the update) needs only the columns some row of the chunk attends to:
+longest (every token after a row's EOS is masked):
 
-    columns   0 … first-1        first … P-1        P … stop-1             stop … T-1
-              padding in         prompts             responses              masked in
-              every row                                                     every row
+    row 0   pad pad  p   p   p | r   r   EOS pad pad
+    row 1   p   p    p   p   p | r   EOS pad pad pad      (P + R columns)
 
-`trim_columns` cuts the two outer blocks. No real token's result changes: a masked key gets attention weight
-exactly 0, position ids come from the mask (`position_ids_from_mask`), and a causal model's outputs at a column
-never depend on the columns after it. Only the shapes change, so floating-point rounding may. `pad_columns` gives
-the per-token outputs back the batch's width, zero where they were cut (masked positions, as before).
+A forward over some of those rows needs each row's prompt and response, nothing else. `packed` rolls every row
+right until its last real token sits in the last column and cuts the columns no row uses:
 
-On the tiny config (64 rollouts of at most 32 new tokens, about 11 on average) most columns of the response
-block are padding. Taught in chapter 09.
+    row 0   pad p   p   p   r   r   EOS
+    row 1   p   p   p   p   p   r   EOS                  (its longest prompt + response)
+
+which is how trl 0.11 lays out a batch (each query and response without a gap). The response block is then the
+last r columns, r the longest response among the rows, as the model-facing functions (`response_logits`,
+`response_values`) expect; row i's tokens sit in its last `lengths[i]` of them, and `unpacked` moves every
+per-token output back to the batch's layout (zeros after each response, as masked positions were before). No real
+token's result changes: a masked key gets attention weight exactly 0, position ids come from the mask
+(`position_ids_from_mask`), and a causal model's outputs at a column never depend on later columns. Only the
+shapes change, so floating-point rounding may. The reward model reads the last token alone (`right_aligned`).
+
+On the tiny config (64 rollouts of at most 32 new tokens, about 11 on average) packing cuts the tokens of the
+update's micro-batches by about a tenth against cutting the left/right padding all rows share. Taught in chapter 09.
 """
 
 from __future__ import annotations
@@ -22,29 +29,6 @@ from __future__ import annotations
 import torch
 
 from marlhf_edu.math.masked import last_valid_index
-
-
-def used_span(attention_mask: torch.Tensor, n_response: int) -> tuple[int, int]:
-    """Columns `[first, stop)` of a (B, P + R) mask that hold every attended token, with R = `n_response`.
-
-    Always keeps the last prompt column (its logits predict the first response token) and at least one response
-    column, so the response block of the trimmed batch is `stop - P` ≥ 1 columns wide."""
-    if attention_mask.dim() != 2 or not 0 < n_response < attention_mask.shape[1]:
-        raise ValueError(f"used_span: expected a (B, P + R) mask with 0 < R < P + R, got shape "
-                         f"{tuple(attention_mask.shape)} and n_response={n_response}")
-    P = attention_mask.shape[1] - n_response
-    used = attention_mask.bool().any(dim=0).tolist()  # one host read per chunk
-    first = next((i for i, u in enumerate(used[:P]) if u), P - 1)
-    stop = P + max((i + 1 for i, u in enumerate(used[P:]) if u), default=1)
-    return min(first, P - 1), stop
-
-
-def trim_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(ids, mask, r): the (B, P + R) batch cut to `used_span`, and the width r ≤ R of its response block."""
-    first, stop = used_span(attention_mask, n_response)
-    P = attention_mask.shape[1] - n_response
-    return input_ids[:, first:stop], attention_mask[:, first:stop], stop - P
 
 
 def right_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,3 +51,32 @@ def pad_columns(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
     if x is None or x.shape[1] == width:
         return x
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def packed(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int
+           ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(ids, mask, r, lengths) of a (B, P + R) prompt/response batch, R = `n_response`: its rows right-aligned
+    (`right_aligned`), r the longest response, `lengths` (B,) each row's response tokens. A forward over them reads
+    the last r columns as its response block; `unpacked(output, lengths, R)` gives its per-token outputs back the
+    batch's layout."""
+    if attention_mask.dim() != 2 or not 0 < n_response < attention_mask.shape[1]:
+        raise ValueError(f"packed: expected a (B, P + R) mask with 0 < R < P + R, got shape "
+                         f"{tuple(attention_mask.shape)} and n_response={n_response}")
+    lengths = attention_mask[:, -n_response:].sum(dim=1)
+    ids, mask = right_aligned(input_ids, attention_mask)
+    # at least one response column, and the column before it (its logits predict the first response token)
+    r = min(max(int(lengths.max()), 1), ids.shape[1] - 1)
+    return ids, mask, r, lengths
+
+
+def unpacked(x: torch.Tensor | None, lengths: torch.Tensor, width: int) -> torch.Tensor | None:
+    """A (B, r) per-response-token output of a `packed` forward, row i's values in its last `lengths[i]` columns,
+    back to (B, `width`) with each row's values from column 0 and zeros after (masked positions); differentiable
+    (the zeros take no gradient). None stays None."""
+    if x is None:
+        return None
+    r = x.shape[1]
+    columns = torch.arange(r, device=x.device)[None, :]
+    lengths = lengths.to(x.device)[:, None]
+    moved = x.gather(1, (columns + r - lengths).clamp(0, r - 1))
+    return pad_columns(torch.where(columns < lengths, moved, torch.zeros((), dtype=x.dtype, device=x.device)), width)
