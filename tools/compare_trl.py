@@ -1,6 +1,7 @@
 """This engine against trl 0.11.4's PPOTrainer (the engine MA-RLHF runs on), on the same work, back to back.
 
     python tools/compare_trl.py --trl-python trl011/bin/python [--steps 10] [--repeats 3] [--out benchmarks/speed_vs_trl.json]
+    python tools/compare_trl.py --trl-python trl011/bin/python --trl-clip-check --steps 12 --out RECORD
 
 trl 0.11.4 needs its own environment (it cannot share one with transformers 5); build it once, beside the repo:
 
@@ -13,7 +14,8 @@ The same work: the shipped tiny SFT model and reward model (its LoRA merged, sco
 token), the toy prompts in the order our trainer visits them, the batch shape of `configs/tiny_ppo.yaml` (64
 rollouts, mini-batch 16, 32 new tokens at T = 1, 1 PPO epoch), AdamW with the gradient norm clipped at our config's
 `max_grad_norm` (1.0, as MA-RLHF's PPO config has it; trl's default is no clipping) in every minibatch (unpatched,
-trl 0.11.4 clips a run's first minibatch and no other: `trl_worker` makes its parameter `filter` a list), fp32, on
+trl 0.11.4's first clip_grad_norm_ call exhausts its parameter `filter` and no later call clips anything:
+`trl_worker` makes it a list; `--trl-clip-check` counts what each unpatched call receives), fp32, on
 this machine's cores. The models are written in transformers 4.44's format first (its config keys; BPE merges as
 "a b" strings, which tokenizers of that era need). Each engine runs in a fresh process, one after the other; the
 mean of steps 3 … N of each is reported (the first steps pay for warm-up), with each engine's mean response length,
@@ -118,9 +120,10 @@ def run_ours(label: str, command: str, extra: list[str], steps: int, skip: int) 
     return result
 
 
-def run_trl(trl_python: str, workdir: pathlib.Path, case: str, skip: int) -> dict:
+def run_trl(trl_python: str, workdir: pathlib.Path, case: str, skip: int, unpatched_clip: bool = False) -> dict:
     done = subprocess.run([trl_python, str(pathlib.Path(__file__).resolve()), "--trl-worker", str(workdir), "--case", case,
-                           "--skip", str(skip)], capture_output=True, text=True, env=_quiet_env())
+                           "--skip", str(skip), *(["--unpatched-clip"] if unpatched_clip else [])],
+                          capture_output=True, text=True, env=_quiet_env())
     if done.returncode:
         raise RuntimeError(f"the trl 0.11.4 worker failed ({case}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -133,7 +136,7 @@ def _quiet_env() -> dict:
 
 # ---- in trl 0.11.4's environment (imports nothing from this repository) ------------------------------------
 
-def trl_worker(workdir: pathlib.Path, case: str, skip: int) -> dict:
+def trl_worker(workdir: pathlib.Path, case: str, skip: int, unpatched_clip: bool = False) -> dict:
     import time
 
     import torch
@@ -155,8 +158,20 @@ def trl_worker(workdir: pathlib.Path, case: str, skip: int) -> dict:
                        max_grad_norm=job["max_grad_norm"], log_with=None)  # ours clips (1.0), as MA-RLHF's config does
     trainer = PPOTrainer(config, model, ref, tokenizer)
     # trl 0.11.4 keeps the trainable parameters as a `filter` object, which its first clip_grad_norm_ call exhausts:
-    # unpatched it clips the first minibatch of a run and no other. A list makes it clip every minibatch, as ours does
-    trainer.model_params = list(trainer.model_params)
+    # every later call gets nothing to clip. A list makes it clip every minibatch, as ours does. `unpatched_clip`
+    # leaves the filter and counts the parameters each clip_grad_norm_ call receives (`--trl-clip-check`)
+    clip_calls = []
+    if unpatched_clip:
+        clip = trainer.accelerator.clip_grad_norm_
+
+        def counting_clip(parameters, *a, **k):
+            parameters = list(parameters)
+            clip_calls.append(len(parameters))
+            return clip(parameters, *a, **k)
+
+        trainer.accelerator.clip_grad_norm_ = counting_clip
+    else:
+        trainer.model_params = list(trainer.model_params)
     sampling = dict(max_new_tokens=job["max_new_tokens"], do_sample=True, top_k=0, top_p=1.0,
                     temperature=job["temperature"], pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id)
@@ -190,7 +205,8 @@ def trl_worker(workdir: pathlib.Path, case: str, skip: int) -> dict:
                          "optimize": round(mean("optimize"), 4),
                          "trl step, other": round(mean("step") - mean("forward_pass") - mean("optimize"), 4)},
             "generate_tokens_per_s": round(sum(r["generated_tokens"] for r in kept) / sum(r["generate"] for r in kept), 1),
-            "response_length": round(mean("response_length"), 2), "torch_threads": torch.get_num_threads()}
+            "response_length": round(mean("response_length"), 2), "torch_threads": torch.get_num_threads(),
+            **({"clip_calls_parameters": clip_calls} if unpatched_clip else {})}
 
 
 # ---- the comparison -------------------------------------------------------------------------------------------
@@ -206,12 +222,18 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "benchmarks" / "speed_vs_trl.json")
     parser.add_argument("--trl-worker", type=pathlib.Path, help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--unpatched-clip", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-clip-check", action="store_true",
+                        help="only run trl's full case unpatched, count the parameters each of its clip_grad_norm_ "
+                             "calls receives, and add that to the --out record")
     args = parser.parse_args(argv)
     if args.trl_worker:  # inside trl's environment
-        print(json.dumps(trl_worker(args.trl_worker, args.case, args.skip)))
+        print(json.dumps(trl_worker(args.trl_worker, args.case, args.skip, args.unpatched_clip)))
         return None
     if not args.trl_python:
         parser.error("--trl-python is required (see the docstring for the environment)")
+    if args.trl_clip_check:
+        return trl_clip_check(args.trl_python, args.steps, args.out)
 
     # here, not at the top: the trl worker above runs this file in trl's environment, without marlhf_edu
     from marlhf_edu.records import machine, measured_on
@@ -239,6 +261,25 @@ def main(argv=None):
         ratios = ", ".join(f"{x:.2f}" for x in r["trl_s_over_ours_s"])
         print(f"{r['case']:5s} {r['label']:66s} trl/ours median {r['median_trl_s_over_ours_s']:.2f} ({ratios})")
     return out
+
+
+def trl_clip_check(trl_python: str, steps: int, out: pathlib.Path) -> dict:
+    """trl 0.11.4's full case as MA-RLHF would run it (no list): the number of parameters each clip_grad_norm_ call
+    received, stored in `out` (an existing record) as `trl_unpatched_clipping`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = pathlib.Path(tmp)
+        prepare(workdir, steps)
+        calls = run_trl(trl_python, workdir, "full", 0, unpatched_clip=True)["clip_calls_parameters"]
+    check = {"case": "full", "steps": steps, "max_grad_norm": 1.0, "calls": len(calls),
+             "calls_with_parameters": sum(1 for n in calls if n), "parameters_per_call": calls,
+             "command": f"python tools/compare_trl.py --trl-python trl011/bin/python --trl-clip-check --steps {steps} "
+                        f"--out {out}"}
+    record = json.loads(out.read_text()) if out.exists() else {}
+    record["trl_unpatched_clipping"] = check
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"trl 0.11.4 unpatched: {check['calls_with_parameters']} of {check['calls']} clip_grad_norm_ calls received "
+          f"parameters ({calls[:3]}...)")
+    return check
 
 
 def summarise_repeats(results: list[dict]) -> list[dict]:

@@ -171,10 +171,9 @@ def cuts_policy_forwards(micro_batch_size: int, device: torch.device) -> bool:
 
 def splits_no_grad_forwards(device: torch.device) -> bool:
     """Whether the rollout's reward-model and reference forwards take the policy's rows per forward (a micro-batch
-    of the sorted chunk, cut to its columns) rather than a whole chunk. On a CPU the narrower forwards are faster:
-    rows sorted by length share fewer padded columns, and a smaller forward's activations stay in the caches (the
-    tiny model's `ppo --critic shared_head` step on a 2-core AMD EPYC: the reference phase 0.085-0.10 s with one
-    forward of 64 rows, 0.069-0.073 s with four of 16). A GPU is faster with the whole chunk in one forward."""
+    of the sorted chunk, packed) rather than a whole chunk. On a CPU the narrower forwards are faster (the tiny
+    model's reference phase, benchmarks/speed_vs_trl_amd_epyc_avx512bf16.json against its _at_659a7c1 record;
+    rows of like length pad less, and the rest was not profiled). A GPU keeps the whole chunk in one forward."""
     return torch.device(device).type == "cpu"
 
 

@@ -6,8 +6,9 @@ longest (every token after a row's EOS is masked):
     row 0   pad pad  p   p   p | r   r   EOS pad pad
     row 1   p   p    p   p   p | r   EOS pad pad pad      (P + R columns)
 
-A forward over some of those rows needs each row's prompt and response, nothing else. `packed` rolls every row
-right until its last real token sits in the last column and cuts the columns no row uses:
+A forward over some of those rows needs each row's prompt and response, nothing else. `packed` shifts every row
+right, circularly, until its last real token sits in the last column (the padding after the response wraps round
+to the front) and cuts the columns that are padding in every row:
 
     row 0   pad p   p   p   r   r   EOS
     row 1   p   p   p   p   p   r   EOS                  (its longest prompt + response)
@@ -15,7 +16,7 @@ right until its last real token sits in the last column and cuts the columns no 
 which is how trl 0.11 lays out a batch (each query and response without a gap). The response block is then the
 last r columns, r the longest response among the rows, as the model-facing functions (`response_logits`,
 `response_values`) expect; row i's tokens sit in its last `lengths[i]` of them, and `unpacked` moves every
-per-token output back to the batch's layout (zeros after each response, as masked positions were before). No real
+per-token output back to the batch's layout (zeros after each response, where the mask is 0). No real
 token's result changes: a masked key gets attention weight exactly 0, position ids come from the mask
 (`position_ids_from_mask`), and a causal model's outputs at a column never depend on later columns. Only the
 shapes change, so floating-point rounding may. The reward model reads the last token alone (`right_aligned`).
