@@ -21,8 +21,8 @@ token's result changes: a masked key gets attention weight exactly 0, position i
 (`position_ids_from_mask`), and a causal model's outputs at a column never depend on later columns. Only the
 shapes change, so floating-point rounding may. The reward model reads the last token alone (`right_aligned`).
 
-On the tiny config (64 rollouts of at most 32 new tokens, about 11 on average) packing cuts the tokens of the
-update's micro-batches by about a tenth against cutting the left/right padding all rows share. Taught in chapter 09.
+Chapter 09 packs one rollout of its 8 rows: 408 positions in the batch's layout, 376 packed whole, 348 in the
+rollout's two sorted micro-batches, for 317 tokens. Taught in chapter 09.
 """
 
 from __future__ import annotations
