@@ -49,11 +49,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest tests -m "not slow" -q -x
 
-# Stored outputs must not depend on the CPU: re-run the notebooks under torch's other CPU kernels
-# (no vectorisation, AVX2). Run it before committing a notebook change; CI runs `make test`.
+# Stored outputs must not depend on the CPU: re-run the notebooks under torch's default CPU kernels, then with
+# torch, oneDNN and MKL held to AVX2 (an AVX2-only CPU's kernels). Run it before committing a notebook change;
+# CI runs `make test`.
 test-portable: $(STAMP)
-	for cap in default avx2; do echo "ATEN_CPU_CAPABILITY=$$cap"; \
-	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest notebooks $(NBVAL) -q || exit 1; done
+	for isa in "ATEN_CPU_CAPABILITY=default" \
+	           "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2"; do echo "$$isa"; \
+	  env $$isa $(PY) -m pytest notebooks $(NBVAL) -q || exit 1; done
 
 # The site (Sphinx + myst-nb) from the stored outputs into build/site/; book-execute re-executes every chapter
 # first (into build/executed/). site-check opens the site in headless Chromium (needs `apt-get install chromium`).

@@ -58,3 +58,31 @@ def no_loading(monkeypatch):
     for name in ("AutoModelForCausalLM", "AutoModel", "AutoModelForSequenceClassification"):
         monkeypatch.setattr(getattr(transformers, name), "from_pretrained", loaded)
     monkeypatch.setattr(peft.PeftModel, "from_pretrained", loaded)
+
+
+def nf4_lora_pair(double_quant: bool = True, compute_dtype: str = "float32", onednn: bool = False):
+    """Two LoRA models on the same NF4 base of the tiny SFT model (quantization is deterministic): bitsandbytes' own
+    layers, and the same layers under `dequantize_once` (with `onednn`, multiplied by oneDNN, the LM head too)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from marlhf_edu.loading.assets import SFT_DIR
+    from marlhf_edu.loading.onednn import use_onednn
+    from marlhf_edu.loading.quantization import dequantize_once, keep_nf4_trainable, nf4_loading_kwargs
+
+    models = []
+    for once in (False, True):
+        base = AutoModelForCausalLM.from_pretrained(str(SFT_DIR), **nf4_loading_kwargs("cpu", double_quant, compute_dtype))
+        assert (dequantize_once(base, onednn=onednn) if once else keep_nf4_trainable(base)) == 28
+        if once and onednn:
+            assert use_onednn(base) == 1  # the LM head
+        torch.manual_seed(0)
+        model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0,
+                                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"]))
+        with torch.no_grad():  # B = 0 at start would hide gradients that flow through the LoRA branches
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+        models.append(model.eval())
+    return models

@@ -11,6 +11,7 @@ import torch
 
 from marlhf_edu.loading.assets import SFT_DIR
 from marlhf_edu.loading.quantization import is_cpu_repacked, keep_nf4_trainable, load_nf4
+from tests.conftest import nf4_lora_pair
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -134,29 +135,6 @@ def test_an_already_repacked_layer_is_an_error_not_a_silent_restore():
 
 
 # ---- nf4_dequantize_once: the dequantized weight kept, bit-identical to bitsandbytes ----------------------------
-
-def nf4_lora_pair(double_quant: bool, compute_dtype: str):
-    """Two LoRA models on the same NF4 base (quantization is deterministic): bitsandbytes' own layers, and the same
-    layers under `dequantize_once`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from marlhf_edu.loading.quantization import dequantize_once, nf4_loading_kwargs
-
-    models = []
-    for once in (False, True):
-        base = AutoModelForCausalLM.from_pretrained(str(SFT_DIR), **nf4_loading_kwargs("cpu", double_quant, compute_dtype))
-        assert (dequantize_once(base) if once else keep_nf4_trainable(base)) == 28
-        torch.manual_seed(0)
-        model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=8, lora_alpha=16, lora_dropout=0.0,
-                                                target_modules=ALL_LINEAR))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.02)
-        models.append(model.eval())
-    return models
-
 
 @pytest.mark.parametrize("double_quant", [True, False])
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])

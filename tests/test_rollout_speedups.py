@@ -493,7 +493,7 @@ def test_the_bf16_smollm2_config_is_the_shipped_one_but_for_its_precision_settin
     changed = {k: (shipped.get(k), fast.get(k)) for k in shipped.keys() | fast.keys() if shipped.get(k) != fast.get(k)}
     assert changed == {"output_dir": ("runs/smollm2/ma_ppo", "runs/smollm2/ma_ppo_bf16"),
                        "nf4_compute_dtype": (None, "bfloat16"), "merged_rollout": (True, False),
-                       "tis_cap": (None, 2.0)}
+                       "tis_cap": (None, 2.0), "onednn_matmuls": (True, False)}
     assert shipped["nf4_dequantize_once"] is True and fast["nf4_dequantize_once"] is True
     for name in ("ma_ppo", "ma_ppo_bf16"):
         (config,) = parse_stage_args((PPOConfig,), ["--config", f"configs/smollm2/{name}.yaml",

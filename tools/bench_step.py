@@ -13,7 +13,8 @@ allocator warm-up and lazy initialisation) of each phase the trainer times (`PPO
     reference  the reference model's log-probs
     update     the PPO epochs (forward with graph, backward, optimizer)
 
-plus the step time, the rollout's sampled tokens per second of generation, and the machine. Chapter 09
+plus the step time, the rollout's sampled tokens per second of generation, and the machine; `per_step` keeps
+every step's times and what it trained (`STAT_KEYS`: KL, score, answer length, ...). Chapter 09
 explains the breakdown; `tools/compare_trl.py` runs trl 0.11.4 on the same work. Not part of `make test`.
 """
 
@@ -28,6 +29,8 @@ import time
 from marlhf_edu.records import machine, measured_on, write_result
 
 PHASE_KEYS = ("generate", "score", "policy", "reference", "update")
+#: what each step trained, kept beside its times: two runs of one seed can be compared step by step
+STAT_KEYS = ("kl/k1", "score/mean", "response/length", "response/no_eos_rate", "loss/policy", "rollout/logprob_gap")
 
 
 def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]) -> dict:
@@ -92,7 +95,8 @@ def main(argv=None):
         **summarise(result["records"], args.skip),
         "load_s": round(result["load_s"], 2),
         "fp32_products": result["fp32_products"],  # cpu_products: off here, entered, or never entered (no bf16)
-        "per_step": [{k: round(v, 4) for k, v in r.items() if k.startswith("time/")} for r in result["records"]],
+        "per_step": [{k: round(v, 4) if k.startswith("time/") else v for k, v in r.items()
+                      if k.startswith("time/") or k in STAT_KEYS} for r in result["records"]],
         "measured_on": measured_on(),
         "machine": machine(),
     }

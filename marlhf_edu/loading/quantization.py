@@ -38,6 +38,8 @@ import types
 
 import torch
 
+from marlhf_edu.loading.onednn import OneDNNWeight, frozen_linear
+
 #: bitsandbytes logs this notice on import on AVX512-BF16 CPUs when the optional `kernels` package (which
 #: would download a kernel from the hub) is missing. The book never uses that kernel, see above.
 _BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
@@ -148,15 +150,19 @@ def _forward_dequantized_once(self, x: torch.Tensor) -> torch.Tensor:
         if bias.dtype != x.dtype:
             bias.data = bias.data.to(x.dtype)
         bias = bias.to(self.compute_dtype)
-    key = (id(weight), weight.data_ptr(), weight._version, x.dtype)
+    onednn = self.__dict__.get("_onednn", False) and x.dtype == torch.float32 and x.device.type == "cpu"
+    key = (id(weight), weight.data_ptr(), weight._version, x.dtype, onednn)
     cached = self.__dict__.get("_dequantized")
     if cached is None or cached[0] != key:
-        cached = (key, dequantize_as_bitsandbytes(weight, x.dtype))
+        dense = dequantize_as_bitsandbytes(weight, x.dtype)
+        cached = (key, OneDNNWeight(dense) if onednn else dense)
         self.__dict__["_dequantized"] = cached
+    if onednn:  # reordered for oneDNN (`loading.onednn`): the same function, rounded in another order
+        return frozen_linear(x, cached[1], bias).to(inp_dtype)
     return torch.nn.functional.linear(x, cached[1], bias).to(inp_dtype)
 
 
-def dequantize_once(model: torch.nn.Module) -> int:
+def dequantize_once(model: torch.nn.Module, onednn: bool = False) -> int:
     """CPU, NF4 base: every `Linear4bit` of `model` dequantizes its frozen weight once and keeps it; returns how many.
 
     bitsandbytes dequantizes a 4-bit weight on every call (on the CPU, `gemm_4bit` = dequantize, then a dense
@@ -167,6 +173,10 @@ def dequantize_once(model: torch.nn.Module) -> int:
     (SmolLM2-135M: 106 M weights, 212 MB in bf16, 425 MB in fp32) beside the 4-bit ones. A CPU feature: on a GPU,
     bitsandbytes' kernels are not this sequence and the memory is what QLoRA is for (the config refuses it).
     Also guards every layer as `keep_nf4_trainable` does. The config switch is `nf4_dequantize_once`; chapter 09.
+
+    `onednn=True` (the config's `onednn_matmuls`): an fp32 layer keeps its weight reordered for oneDNN instead,
+    twice (W for the forward, Wᵀ for the input gradient; `loading.onednn`), and is not bit-identical to
+    bitsandbytes: the same function, summed in another order.
     """
     guarded = keep_nf4_trainable(model)
     if not guarded:
@@ -178,6 +188,7 @@ def dequantize_once(model: torch.nn.Module) -> int:
             if getattr(module.weight, "quant_state", None) is None:
                 raise RuntimeError("dequantize_once: a Linear4bit without a quant_state (not quantized yet)")
             module.forward = types.MethodType(_forward_dequantized_once, module)
+            module.__dict__["_onednn"] = onednn
     return guarded
 
 
@@ -187,7 +198,7 @@ def dequantized_weights(model: torch.nn.Module):
     for module in model.modules():
         kept = module.__dict__.get("_dequantized")
         if kept is not None:
-            yield kept[1]
+            yield from kept[1].tensors() if isinstance(kept[1], OneDNNWeight) else (kept[1],)
 
 
 def load_nf4(model_class, path, device: str = "cpu", double_quant: bool = True, **kwargs):

@@ -19,6 +19,7 @@ import resource
 import subprocess
 import sys
 
+from marlhf_edu.loading.onednn import onednn_weights
 from marlhf_edu.loading.quantization import dequantized_weights
 from marlhf_edu.math.logprobs import logprobs_from_logits
 from marlhf_edu.math.scoring import position_ids_from_mask
@@ -113,6 +114,11 @@ def _count(tensors, seen: set) -> int:
     for t in tensors:
         if t is None or not hasattr(t, "untyped_storage"):
             continue
+        if t.is_mkldnn:  # a weight reordered for oneDNN (`loading.onednn`): opaque, no storage to ask
+            if ("mkldnn", id(t)) not in seen:
+                seen.add(("mkldnn", id(t)))
+                total += t.numel() * t.element_size()
+            continue
         storage = t.untyped_storage()
         key = (storage.device.type, storage.data_ptr())
         if key not in seen:
@@ -137,6 +143,7 @@ def _module_tensors(module):
         yield from quant_state_tensors(p)
     yield from module.buffers()
     yield from dequantized_weights(module)  # nf4_dequantize_once: the dense copies its 4-bit layers keep
+    yield from onednn_weights(module)  # onednn_matmuls: the reordered copies its plain linear layers keep
 
 
 def _optimizer_tensors(optimizer, params=None):
@@ -191,6 +198,7 @@ def state_bytes_by_kind(models: dict, optimizer=None) -> dict[str, int]:
             params.append(p)
         out["weights"] += _count(module.buffers(), seen)
         out["weights"] += _count(dequantized_weights(module), seen)
+        out["weights"] += _count(onednn_weights(module), seen)
     out["gradients"] = storage_bytes(p.grad for p in params if p.grad is not None)
     out["optimizer"] = storage_bytes(_optimizer_tensors(optimizer, set(params))) if optimizer is not None else 0
     out["total"] = sum(out.values())

@@ -165,6 +165,7 @@ class MemorySettings:
                                        # multi-adapter: into the merged_rollout copy, no memory of its own
     nf4_dequantize_once: bool = False  # multi-adapter, CPU: each 4-bit layer keeps its weight dequantized
     nf4_compute_dtype: str = "auto"    # the 4-bit layers' compute dtype ('auto' = weight_dtype)
+    onednn_matmuls: bool = False       # multi-adapter, CPU: frozen fp32 weights also held reordered for oneDNN
 
     def validate(self) -> "MemorySettings":
 
@@ -199,6 +200,7 @@ class MemorySettings:
                    merged_rollout=config.merged_rollout,
                    merged_reward=config.merged_reward,
                    nf4_dequantize_once=config.nf4_dequantize_once, nf4_compute_dtype=config.nf4_compute_dtype,
+                   onednn_matmuls=config.onednn_matmuls,
                    forward_batch_size=min(config.forward_batch_size, config.batch_size),
                    micro_batch_size=config.micro_batch_size, prompt_length=prompt_length or config.max_prompt_length,
                    response_length=config.max_new_tokens)
@@ -360,6 +362,21 @@ def dequantized_once_bytes(shape: ModelShape, s: MemorySettings) -> tuple[int, i
     return shape.num_layers * layer, layer
 
 
+def onednn_bytes(shape: ModelShape, s: MemorySettings) -> tuple[int, int]:
+    """`onednn_matmuls` (`marlhf_edu.loading.onednn`): the frozen fp32 weights held again, reordered for oneDNN. The
+    base's linear weights twice (W, and Wᵀ for the input gradient), which with an NF4 base replace
+    `nf4_dequantize_once`'s dense copy (so once more than it); the LM head twice; the `merged_rollout` copy's linear
+    weights and head once (it has no backward). `(whole model, one decoder layer)`; 0 when off. With an NF4 base the
+    plan's "4-bit layers dequantized once" line still counts the first of the two reordered copies (W), this term
+    the second (Wᵀ): the sum is what the layers hold."""
+    if not s.onednn_matmuls:
+        return 0, 0
+    linear = sum(a * b for a, b in shape.linear_shapes().values()) * DTYPE_BYTES["float32"]
+    layer = linear * (1 if s.load_in_4bit and s.nf4_dequantize_once else 2) + (linear if s.merged_rollout else 0)
+    head = shape.vocab_size * shape.hidden_size * DTYPE_BYTES["float32"] * (3 if s.merged_rollout else 2)
+    return shape.num_layers * layer + head, layer
+
+
 def _add_rollout_copy(parts: dict, per_model: dict, per_layer: dict, shape: ModelShape, s: MemorySettings) -> None:
     copy = merged_rollout_bytes(shape, s)
     if copy:
@@ -516,6 +533,11 @@ def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
         parts["weights"] += dense
         per_layer["weights"] += dense_layer
         per_model["4-bit layers dequantized once"] = dense
+    reordered, reordered_layer = onednn_bytes(shape, s)
+    if reordered:
+        parts["weights"] += reordered
+        per_layer["weights"] += reordered_layer
+        per_model["weights reordered for oneDNN"] = reordered
     return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n, **act)
 
 

@@ -207,10 +207,11 @@ class PPOBackend:
         """`(peft_model, adapter_name)` of a LoRA policy, for `use_merged_rollout`."""
         raise NotImplementedError
 
-    def use_merged_rollout(self, cache: str = "dynamic") -> None:
+    def use_merged_rollout(self, cache: str = "dynamic", onednn: bool = False) -> None:
         """Sample from a dense copy of the policy with its LoRA merged (`marlhf_edu.ppo.merged_rollout`), with a
-        dynamic or a static KV cache (`PPOConfig.rollout_cache`)."""
-        self._merged = MergedPolicy(*self.lora_policy(), cache=cache)
+        dynamic or a static KV cache (`PPOConfig.rollout_cache`), its products through oneDNN with `onednn`
+        (`PPOConfig.onednn_matmuls`)."""
+        self._merged = MergedPolicy(*self.lora_policy(), cache=cache, onednn=onednn)
 
     def export_policy(self, out_dir) -> None:
         """Save the trained policy where `marlhf-edu merge` / `generate` and every model reference can read it:
@@ -284,6 +285,9 @@ class FourModelBackend(PPOBackend):
 
     @classmethod
     def check_config(cls, config) -> None:
+        if config.onednn_matmuls:
+            raise ConfigError("onednn_matmuls is a multi-adapter option (one frozen base under every adapter); the "
+                              "four-model engine trains its actor's and critic's own weights")
         if config.merged_rollout and config.actor_lora_r == 0:
             raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor already "
                               "samples from dense weights")

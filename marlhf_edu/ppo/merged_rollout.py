@@ -42,6 +42,8 @@ import copy
 import torch
 from torch import nn
 
+from marlhf_edu.loading.onednn import onednn_weights, use_onednn
+
 
 def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The (out, in) weight of a linear layer as a dense tensor: an NF4 `Linear4bit` dequantized, else as is."""
@@ -115,7 +117,8 @@ class MergedPolicy:
     in now, and the copy is stale for sampling until the policy is merged back.
     """
 
-    def __init__(self, peft_model, adapter: str, dtype: torch.dtype | None = None, cache: str = "dynamic"):
+    def __init__(self, peft_model, adapter: str, dtype: torch.dtype | None = None, cache: str = "dynamic",
+                 onednn: bool = False):
         if cache not in ("dynamic", "static"):
             raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
         from transformers import AutoModelForCausalLM
@@ -141,6 +144,8 @@ class MergedPolicy:
             self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self.model.tie_weights()
         self.model.eval().requires_grad_(False)
+        if onednn:  # fp32 on a CPU: every linear product through oneDNN, weights reordered again after each refresh
+            use_onednn(self.model, backward=False)
         self.model.generation_config = copy.deepcopy(base.generation_config)
         self.cache = cache
         if cache == "static":  # every `generate` on the copy allocates a static cache (and compiles on CUDA)
@@ -180,8 +185,9 @@ class MergedPolicy:
         self.stale = adapter != self.adapter
 
     def nbytes(self) -> int:
-        """Bytes the dense copy holds: parameters (tied ones once) and buffers (RoPE's frequencies)."""
+        """Bytes the dense copy holds: parameters (tied ones once), buffers (RoPE's frequencies) and, with
+        `onednn`, the weights reordered for oneDNN (made at the first sample after each refresh)."""
         seen = {}
         for t in [*self.model.parameters(), *self.model.buffers()]:
             seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
+        return sum(seen.values()) + sum(t.numel() * t.element_size() for t in onednn_weights(self.model))

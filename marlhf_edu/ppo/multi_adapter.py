@@ -32,6 +32,7 @@ import torch
 
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.loading.adapters import RewardAdapter, check_pad_token
+from marlhf_edu.loading.onednn import use_onednn
 from marlhf_edu.loading.quantization import dequantize_once, keep_nf4_trainable, nf4_loading_kwargs
 from marlhf_edu.loading.quiet import quiet_loading
 from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer, resolve_model, resolve_zoo,
@@ -143,7 +144,9 @@ class MultiAdapterBackend(PPOBackend):
         if not kwargs:
             base = base.to(device)
         if config.nf4_dequantize_once:
-            dequantize_once(base)
+            dequantize_once(base, onednn=config.onednn_matmuls)
+        if config.onednn_matmuls:  # the base's plain linears (the LM head; every layer of a dense base), adapters not yet on
+            use_onednn(base)
         return cls(base, tokenizer, reward, value_mode=config.value_mode, lora_r=config.actor_lora_r or DEFAULT_ADAPTER_RANK,
                    lora_alpha=config.actor_lora_alpha, target_modules=config.lora_target_modules, seed=config.seed,
                    critic_init=config.critic_init, merged_reward=config.merged_reward)

@@ -214,7 +214,7 @@ class PPOTrainer:
         if config.gradient_checkpointing:
             backend.enable_gradient_checkpointing()
         if config.merged_rollout:
-            backend.use_merged_rollout(cache=config.rollout_cache)
+            backend.use_merged_rollout(cache=config.rollout_cache, onednn=config.onednn_matmuls)
         groups = backend.parameter_groups()
         self.dp.broadcast_parameters([p for params in groups.values() for p in params])  # one starting point
         lrs = {"policy": config.learning_rate, "value": config.critic_learning_rate or config.learning_rate}
