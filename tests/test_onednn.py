@@ -177,6 +177,16 @@ def test_a_multi_adapter_step_through_onednn_matches_the_default_engine(tmp_path
     assert on["rollout/logprob_gap"] < 1e-3  # the oneDNN copy samples what the training path scores
 
 
+def test_a_torch_without_the_onednn_operators_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.ppo import PPOConfig
+
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    with pytest.raises(ConfigError, match="no oneDNN linear product"):
+        PPOConfig(output_dir=str(tmp_path), onednn_matmuls=True, device="cpu").validate()
+    PPOConfig(output_dir=str(tmp_path), device="cpu").validate()  # off: nothing asked of oneDNN
+
+
 def test_onednn_matmuls_is_a_cpu_fp32_multi_adapter_option(tmp_path):
     from marlhf_edu.errors import ConfigError
     from marlhf_edu.ppo import FourModelBackend, PPOConfig

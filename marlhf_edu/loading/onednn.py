@@ -20,8 +20,9 @@ Not bit for bit: oneDNN sums in another order than MKL, so outputs differ in the
 CPU. The rollout's no-grad forward and the update's first forward multiply by the same reordered weights, so the
 PPO ratio at the first minibatch is still 1; trainable layers (the adapters, the value head) keep `F.linear`.
 Memory: each reordered weight is a second copy, two (W and Wᵀ) where a backward needs the input gradient.
-`_linear_pointwise` and `_reorder_linear_weight` are private torch operators (inductor's own for frozen weights):
-a later torch may change them, and the tests would then fail.
+`_linear_pointwise` and `_reorder_linear_weight` are private torch operators (inductor's own for frozen weights): if
+a later torch drops them, `available()` is False and the config refuses `onednn_matmuls`; if it changes them, the
+tests fail.
 
 The config switch is `onednn_matmuls` (multi-adapter PPO on a CPU); chapter 09 measures it.
 """

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from marlhf_edu.errors import ConfigError
+from marlhf_edu.loading import onednn
 from marlhf_edu.loading.cpu_products import native_low_precision_products
 from marlhf_edu.loading.quantization import NF4_COMPUTE_DTYPES
 from marlhf_edu.math.kl import KL_KINDS
@@ -245,6 +246,9 @@ class PPOConfig:
              "(not nf4_compute_dtype: bfloat16) and, with load_in_4bit, nf4_dequantize_once: true (the dense weights "
              f"it reorders); got device {self.resolved_device}, nf4_compute_dtype {self.nf4_compute_dtype}, "
              f"load_in_4bit {self.load_in_4bit}, nf4_dequantize_once {self.nf4_dequantize_once}")
+        need(not self.onednn_matmuls or onednn.available(),
+             "onednn_matmuls: this PyTorch build has no oneDNN linear product (torch.ops.mkldnn._linear_pointwise, "
+             "_reorder_linear_weight); set onednn_matmuls: false")
         need(self.nf4_compute_dtype in NF4_COMPUTE_DTYPES,
              f"nf4_compute_dtype must be one of {NF4_COMPUTE_DTYPES}, got {self.nf4_compute_dtype!r}")
         need(not (self.nf4_dequantize_once and self.nf4_compute_dtype == "bfloat16")
