@@ -134,7 +134,8 @@ def _forward_dequantized_once(self, x: torch.Tensor) -> torch.Tensor:
     """`Linear4bit.forward` (bitsandbytes 0.50) with the dequantized weight kept from one call to the next.
 
     The same operations as bitsandbytes' CPU path, x → compute dtype, F.linear(x, W), → x's dtype, so outputs and
-    the gradient to x (autograd's x-gradient of F.linear, W·g) are bit-identical; the weight is dequantized again
+    the gradient to x (autograd's x-gradient of F.linear, W·g) are bit-identical (not so with `onednn`, whose
+    reordered W and Wᵀ give the same function summed in another order); the weight is dequantized again
     only when it changed: a new parameter object (peft's merge into a 4-bit layer makes one), new storage, an
     in-place write to the parameter (its version counter), another compute dtype. A write through `weight.data`
     bypasses the version counter and is not seen; nothing in the package writes a frozen base."""
