@@ -374,6 +374,118 @@ def test_a_policy_sampling_itself_records_its_sampler_under_tis(tmp_path, prompt
     assert "rollout/logprob_gap" in stats and "rollout/tis_weight_mean" in stats
 
 
+# ---- old_logprobs: sampler ----------------------------------------------------------------------------------
+
+def _perturb_value_head(backend, seed=5):
+    """A non-zero value head (it starts at 0, which would make every value trivially equal)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        backend.value_head.weight.copy_(torch.randn(backend.value_head.weight.shape, generator=g))
+        backend.value_head.bias.fill_(0.3)
+
+
+def test_the_recorders_entropy_is_the_distributions_with_masked_tokens_adding_nothing():
+    """`SampledLogprobs(entropy=True)` keeps H(softmax(z/T)) of each step; a token a processor masked to −inf adds 0
+    (0·log 0), not NaN."""
+    from marlhf_edu.math.logprobs import entropy_from_logits
+    from marlhf_edu.ppo.merged_rollout import SampledLogprobs
+
+    z = torch.randn(4, 3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    z[0, 1, :20] = -float("inf")
+    recorder = SampledLogprobs(0.7, entropy=True)
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    for t in range(3):
+        recorder(ids, z[:, t])
+        ids = torch.cat([ids, torch.ones(4, 1, dtype=torch.long)], dim=1)
+    recorder.finish(ids)
+    expected = entropy_from_logits(z.masked_fill(z == -float("inf"), -1e30) / 0.7)
+    assert recorder.entropy.shape == (4, 3) and torch.isfinite(recorder.entropy).all()
+    assert torch.allclose(recorder.entropy, expected, atol=1e-5)
+    assert float(recorder.entropy[0, 1]) < float(recorder.entropy[0, 0])  # fewer tokens left: less entropy
+
+
+@pytest.mark.parametrize("merged_rollout", [True, False])
+def test_the_sampler_records_what_the_policy_forward_would_give(tmp_path, prompts, merged_rollout):
+    """`old_logprobs: sampler`: the rollout's log-probs, values and entropy are recorded while decoding, and equal
+    the training path's no-grad forward over the sampled rows up to fp32 rounding (merged copy or the policy
+    decoding itself); zero after each answer, and the policy phase never runs."""
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=merged_rollout,
+                    old_logprobs="sampler")
+    be = trainer.backend
+    _perturb_policy(*be.lora_policy())
+    _perturb_value_head(be)
+    be.policy_changed()
+    r = trainer.rollout(trainer.batch_prompts(0))
+    assert "policy" not in trainer.timer.seconds
+    m = r.response_mask
+    with torch.no_grad():
+        lp, v, ent = trainer._policy_forward(r.input_ids, r.attention_mask, r.n_response, with_entropy=True)
+    for name, recorded, forward in (("logprobs", r.logprobs, lp), ("values", r.values, v), ("entropy", r.entropy, ent)):
+        assert recorded.shape == forward.shape, name
+        assert float(((recorded - forward).abs() * m).max()) < LOGPROB_TOLERANCE, name
+        assert float((recorded * ~m).abs().max()) == 0.0, name
+    # not trivially equal: real alternatives, values that vary from token to token
+    assert float((r.logprobs * m).min()) < -0.5 and float((r.entropy * m).max()) > 0.5
+    assert float(r.values[m].std()) > 0.1
+
+
+def test_old_logprobs_from_the_sampler_train_as_the_recomputed_ones(tmp_path, prompts):
+    """Two runs of one seed, the old log-probs recorded by the merged copy or recomputed: the same sampled tokens
+    and, to fp32 rounding, the same statistics, losses and first-minibatch ratio; the sampler's run logs the gap its
+    first minibatch (at the rollout's weights) measured, one forward a step fewer."""
+    runs = {}
+    for mode in ("recompute", "sampler"):
+        trainer = build(tmp_path / mode, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=True,
+                        old_logprobs=mode)
+        runs[mode] = (trainer, [trainer.step() for _ in range(2)])
+    (recompute, a), (sampler, b) = runs["recompute"], runs["sampler"]
+    assert torch.equal(recompute.last_rollout.input_ids, sampler.last_rollout.input_ids)
+    for key in ("kl/k1", "score/mean", "policy/entropy", "value/mean", "loss/policy", "loss/value",
+                "policy/ratio_max"):
+        for step in range(2):
+            assert b[step][key] == pytest.approx(a[step][key], abs=1e-4), (key, step)
+    assert all(0 <= record["rollout/logprob_gap"] < LOGPROB_TOLERANCE for record in b)
+    assert "time/policy_s" in b[0] and b[0]["time/policy_s"] == 0.0 < a[0]["time/policy_s"]
+
+
+def test_the_first_minibatch_measures_the_samplers_gap(tmp_path, prompts):
+    """The gap `old_logprobs: sampler` logs is mean |log π_train − log π_sampler| over the first minibatch's answer
+    tokens; a stale copy (the policy changed, the copy not rebuilt) shows it."""
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=True,
+                    old_logprobs="sampler")
+    peft_model, adapter = trainer.backend.lora_policy()
+    trainer.backend._merged.stale = False
+    _perturb_policy(peft_model, adapter, seed=4)  # the copy keeps the zero LoRA: it samples the SFT model
+    r = trainer.rollout(trainer.batch_prompts(0))
+    shuffle_state = trainer.shuffle.get_state()  # the update's first minibatch: its rows, drawn as it will draw them
+    first = torch.randperm(len(r.input_ids), generator=trainer.shuffle)[:trainer.config.mini_batch_size]
+    trainer.shuffle.set_state(shuffle_state)
+    with torch.no_grad():
+        lp, _, _ = trainer._policy_forward(r.input_ids[first], r.attention_mask[first], r.n_response, with_entropy=False)
+    m = r.response_mask[first]
+    expected = float(((lp - r.logprobs[first]).abs() * m).sum() / m.sum())
+    out = trainer.update(r)
+    assert out["rollout/logprob_gap"] == pytest.approx(expected, rel=1e-4)
+    assert out["rollout/logprob_gap"] > 10 * LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(value_mode="adapter"), "needs value_mode: shared"),
+    (dict(nf4_compute_dtype="bfloat16", load_in_4bit=True), "fp32 products on the CPU"),
+    (dict(tis_cap=2.0), "tis_cap: 0"),
+    (dict(device="cuda"), "fp32 products on the CPU"),
+])
+def test_old_logprobs_from_the_sampler_refuses_what_it_cannot_stand_in_for(tmp_path, prompts, overrides, match):
+    config = PPOConfig(old_logprobs="sampler", **{**SMALL, **overrides})
+    with pytest.raises(ConfigError, match=match):
+        config.validate()
+        MultiAdapterBackend.check_config(config)
+    with pytest.raises(ConfigError, match="old_logprobs: sampler reads the values"):
+        FourModelBackend.check_config(PPOConfig(old_logprobs="sampler", **SMALL))
+    with pytest.raises(ConfigError, match="old_logprobs must be one of"):
+        PPOConfig(old_logprobs="policy").validate()
+
+
 # ---- rollout_cache: static -----------------------------------------------------------------------------------
 
 def test_static_cache_samples_the_dynamic_caches_tokens(tmp_path, prompts):
@@ -493,7 +605,8 @@ def test_the_bf16_smollm2_config_is_the_shipped_one_but_for_its_precision_settin
     changed = {k: (shipped.get(k), fast.get(k)) for k in shipped.keys() | fast.keys() if shipped.get(k) != fast.get(k)}
     assert changed == {"output_dir": ("runs/smollm2/ma_ppo", "runs/smollm2/ma_ppo_bf16"),
                        "nf4_compute_dtype": (None, "bfloat16"), "merged_rollout": (True, False),
-                       "tis_cap": (None, 2.0), "onednn_matmuls": (True, False)}
+                       "tis_cap": (None, 2.0), "onednn_matmuls": (True, False),
+                       "old_logprobs": ("sampler", "recompute")}
     assert shipped["nf4_dequantize_once"] is True and fast["nf4_dequantize_once"] is True
     for name in ("ma_ppo", "ma_ppo_bf16"):
         (config,) = parse_stage_args((PPOConfig,), ["--config", f"configs/smollm2/{name}.yaml",

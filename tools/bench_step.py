@@ -30,7 +30,8 @@ from marlhf_edu.records import machine, measured_on, write_result
 
 PHASE_KEYS = ("generate", "score", "policy", "reference", "update")
 #: what each step trained, kept beside its times: two runs of one seed can be compared step by step
-STAT_KEYS = ("kl/k1", "score/mean", "response/length", "response/no_eos_rate", "loss/policy", "rollout/logprob_gap")
+STAT_KEYS = ("kl/k1", "score/mean", "response/length", "response/no_eos_rate", "loss/policy", "rollout/logprob_gap",
+             "policy/entropy", "value/mean", "loss/value")
 
 
 def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]) -> dict:

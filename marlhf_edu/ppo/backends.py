@@ -79,19 +79,38 @@ def sequence_logprobs(model, input_ids, attention_mask, n_response: int, tempera
 
 @torch.no_grad()
 def sample(model, tokenizer, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
-           top_p: float = 1.0, with_logprobs: bool = False):
+           top_p: float = 1.0, with_logprobs: bool = False, with_outputs: bool = False):
     """`generate` with plain temperature sampling (top-k/top-p off unless set), pad and EOS from the tokenizer.
 
     Returns the (B, P + R) ids; with `with_logprobs`, `(ids, logprobs)`: also the (B, R) log-probs the sampler
-    drew each new token with (`SampledLogprobs`)."""
+    drew each new token with (`SampledLogprobs`). With `with_outputs`, `(ids, logprobs, entropy, hidden)`: also
+    the (B, R) entropy of each step's distribution and the (B, R, H) last hidden state each new token was drawn
+    from, the decoder's output at the step's last position (what a value head reads: `PPOConfig.old_logprobs`).
+    Generation runs the model once per new token (the prompt's prefill gives the first), so step t's hidden
+    state is V's input for token t, as `response_values` reads the full forward's."""
     from transformers import LogitsProcessorList
 
-    recorder = SampledLogprobs(temperature) if with_logprobs else None
-    ids = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
-                         top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         logits_processor=LogitsProcessorList([recorder] if recorder else []))
-    return (ids, recorder.finish(ids)) if recorder else ids
+    recorder = SampledLogprobs(temperature, entropy=with_outputs) if with_logprobs or with_outputs else None
+    hidden = []
+    hook = (model.get_decoder().register_forward_hook(lambda module, args, out: hidden.append(out[0][:, -1]))
+            if with_outputs else None)
+    try:
+        ids = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                             temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             logits_processor=LogitsProcessorList([recorder] if recorder else []))
+    finally:
+        if hook is not None:
+            hook.remove()
+    if recorder is None:
+        return ids
+    logprobs = recorder.finish(ids)
+    if not with_outputs:
+        return ids, logprobs
+    if len(hidden) != logprobs.shape[1]:  # one forward per new token is what generate does; refuse anything else
+        raise RuntimeError(f"sample: {len(hidden)} decoder calls for {logprobs.shape[1]} new tokens; the hidden "
+                           "states cannot be matched to the tokens")
+    return ids, logprobs, recorder.entropy, torch.stack(hidden, dim=1)
 
 
 def value_head(hidden_size: int) -> nn.Linear:
@@ -172,6 +191,13 @@ class PPOBackend:
         """Sample with the KV cache; returns (B, P + R) token ids (R ≤ max_new_tokens), and with `with_logprobs`
         also the (B, R) log-probs each new token was drawn with (`sample`)."""
         raise NotImplementedError
+
+    def generate_with_outputs(self, input_ids, attention_mask, *, max_new_tokens: int, temperature: float,
+                              top_k: int = 0, top_p: float = 1.0):
+        """`(ids, logprobs, values, entropy)`: `generate`'s ids and, recorded while decoding, what the rollout's
+        no-grad `policy_forward` would return for them, each (B, R): the log-prob each token was drawn with, the
+        value of the state it was drawn in, the entropy it was drawn from (`PPOConfig.old_logprobs: sampler`)."""
+        raise ConfigError(f"{type(self).__name__} cannot read values while sampling; use old_logprobs: recompute")
 
     def policy_forward(self, input_ids, attention_mask, n_response: int, temperature: float,
                        with_entropy: bool = False):
@@ -285,6 +311,10 @@ class FourModelBackend(PPOBackend):
 
     @classmethod
     def check_config(cls, config) -> None:
+        if config.old_logprobs == "sampler":
+            raise ConfigError("old_logprobs: sampler reads the values from the sampler's hidden states, a multi-adapter "
+                              "option (value_mode: shared); the four-model engine recomputes them (old_logprobs: "
+                              "recompute)")
         if config.onednn_matmuls:
             raise ConfigError("onednn_matmuls is a multi-adapter option (one frozen base under every adapter); the "
                               "four-model engine trains its actor's and critic's own weights")

@@ -35,9 +35,11 @@ REWARDS = ("reward_model", "keyword_judge", "canonical_refusal", "sentiment")
 SENTIMENT_DATASET = "everyday-prompts"
 #: KV caches the merged rollout copy can sample with (`PPOConfig.rollout_cache`, `merged_rollout.MergedPolicy`).
 ROLLOUT_CACHES = ("dynamic", "static")
+#: Where the rollout's old log-probs, values and entropy come from (`PPOConfig.old_logprobs`).
+OLD_LOGPROBS = ("recompute", "sampler")
 #: Settings a resume may change freely: they do not define what has been trained so far.
 RESUME_FREE = ("total_steps", "save_steps", "resume", "resume_overrides", "report_to", "output_dir", "device",
-               "nf4_dequantize_once", "onednn_matmuls",
+               "nf4_dequantize_once", "onednn_matmuls", "old_logprobs",
                "eval_repeats", "eval_prompts", "eval_every", "eval_every_prompts")
 #: Settings a resume may change only when `resume_overrides` names them; the new value is then applied for real.
 RESUME_OVERRIDABLE = ("learning_rate", "critic_learning_rate", "kl_coef", "cliprange", "cliprange_value", "vf_coef",
@@ -60,6 +62,7 @@ class PPOConfig:
     merged_rollout: bool = field(default=False, metadata={"help": "sample rollouts from a dense copy of the policy with its LoRA merged (NF4 bases dequantized), refreshed after every update; log-probs still come from the training path. Needs a LoRA policy; costs one dense copy of the model"})
     rollout_cache: str = field(default="dynamic", metadata={"help": "merged_rollout only: 'dynamic' (a KV cache that grows token by token) or 'static' (one preallocated KV cache of max_prompt_length + max_new_tokens; prompts are left-padded to max_prompt_length so every step samples in one shape, and on CUDA transformers compiles the decode step into CUDA graphs). The samples follow the same distribution; on CUDA the compiled kernels round differently (rollout/logprob_gap shows it)"})
     tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling: each answer token's policy loss is weighted by min(π_train/π_sampler, tis_cap), π_sampler recorded as each token was drawn; the correction for tokens drawn from a sampler that is not exactly the training forward: a merged copy (merged_rollout), or the policy decoding in bf16, whose one-token steps round differently (verl's and OpenRLHF's for vLLM; 2 is common); 0 = off"})
+    old_logprobs: str = field(default="recompute", metadata={"help": "where the rollout's old log-probs, values and entropy come from: 'recompute' (a no-grad forward of the policy over the sampled rows, trl 0.11's way) or 'sampler' (recorded while decoding: the log-prob each token was drawn with, the value head on the hidden state it was drawn from; one forward of the model fewer a step). Multi-adapter, value_mode: shared, fp32 products on a CPU; the same numbers up to fp32 rounding (the sampler's one-token steps, the merged copy's folded weights); the update's first minibatch, at the rollout's weights, logs their gap to the training path (rollout/logprob_gap)"})
     merged_reward: bool = field(default=False, metadata={"help": "score with the reward LoRA merged into dense weights (one matmul per layer instead of three; scores equal to float rounding): four-model, into the reward model's own fp32 copy of its base; multi-adapter, into the merged_rollout copy between samples (needs merged_rollout: true; the copy is rebuilt twice a step, the base never changes). Off by default so that stored runs replay exactly"})
     value_mode: str = field(default="shared", metadata={"help": "multi-adapter only: 'shared' (head on the policy adapter) or 'adapter' (own LoRA + head)"})
     load_in_4bit: bool = field(default=False, metadata={"help": "multi-adapter only: NF4 base (bitsandbytes; runs on CPU too)"})
@@ -249,6 +252,16 @@ class PPOConfig:
         need(not self.onednn_matmuls or onednn.available(),
              "onednn_matmuls: this PyTorch build has no oneDNN linear product (torch.ops.mkldnn._linear_pointwise, "
              "_reorder_linear_weight); set onednn_matmuls: false")
+        need(self.old_logprobs in OLD_LOGPROBS, f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+        # the sampler's numbers stand in for the training path's only where both compute in fp32: a bf16 decode
+        # differs from the forward by 0.013-0.06 nats a token (chapter 09), which the recomputed forward and
+        # tis_cap exist to measure and correct
+        need(self.old_logprobs == "recompute" or (self.resolved_device == "cpu" and self.nf4_compute_dtype != "bfloat16"
+                                                  and self.tis_cap == 0),
+             "old_logprobs: sampler takes the rollout's old log-probs from the sampler itself: it needs fp32 products on "
+             "the CPU (not nf4_compute_dtype: bfloat16) and tis_cap: 0 (the PPO ratio is then already taken against "
+             f"the sampler); got device {self.resolved_device}, nf4_compute_dtype {self.nf4_compute_dtype}, "
+             f"tis_cap {self.tis_cap}")
         need(self.nf4_compute_dtype in NF4_COMPUTE_DTYPES,
              f"nf4_compute_dtype must be one of {NF4_COMPUTE_DTYPES}, got {self.nf4_compute_dtype!r}")
         need(not (self.nf4_dequantize_once and self.nf4_compute_dtype == "bfloat16")

@@ -84,26 +84,38 @@ class SampledLogprobs:
     previous step's log-prob and keeps one (B, V) fp32 row of log-probs at a time, never the (B, R, V) logits.
     `finish(sequences)` picks the last token's and returns (B, R) fp32, R = the new tokens (a finished row's pad
     tokens get the log-prob of pad; the response mask drops them).
+
+    With `entropy=True` it also keeps the entropy H_t = −Σ_v p_v log p_v of each step's distribution, (B, R) fp32 in
+    `entropy` after `finish`: what the rollout's policy forward would log (`PPOConfig.old_logprobs: sampler`).
     """
 
-    def __init__(self, temperature: float):
+    def __init__(self, temperature: float, entropy: bool = False):
         self.temperature = temperature
         self._pending = None  # (B, V) log-probs of the step whose token is not yet drawn
         self._picked = []
+        self._entropy = [] if entropy else None
+        self.entropy = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self._pending is not None:
             self._picked.append(self._pending.gather(1, input_ids[:, -1:]))
         self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        if self._entropy is not None:  # −Σ p·log p as one (1, V)·(V, 1) product per row: no (B, V) temporary
+            p = self._pending.exp()
+            h = -torch.bmm(p[:, None, :], self._pending[:, :, None]).view(-1, 1)
+            if not torch.isfinite(h).all():  # a token masked to −inf: p = 0 there, and 0·(−inf) is NaN, not 0
+                h = -(p * self._pending).nan_to_num(nan=0.0).sum(dim=-1, keepdim=True)
+            self._entropy.append(h)
         return scores
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:
         if self._pending is not None:
             self._picked.append(self._pending.gather(1, sequences[:, -1:]))
             self._pending = None
-        if not self._picked:
-            return torch.zeros(sequences.shape[0], 0, device=sequences.device)
-        return torch.cat(self._picked, dim=1)
+        empty = torch.zeros(sequences.shape[0], 0, device=sequences.device)
+        if self._entropy is not None:
+            self.entropy = torch.cat(self._entropy, dim=1) if self._entropy else empty
+        return torch.cat(self._picked, dim=1) if self._picked else empty
 
 
 class MergedPolicy:

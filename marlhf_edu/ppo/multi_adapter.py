@@ -114,6 +114,9 @@ class MultiAdapterBackend(PPOBackend):
                               "merged into the merged_rollout copy between samples, never into the base: it needs "
                               "merged_rollout: true")
         _check_value_options(config.value_mode, config.critic_init)
+        if config.old_logprobs == "sampler" and config.value_mode != "shared":
+            raise ConfigError("old_logprobs: sampler reads the values from the sampler's hidden states: it needs "
+                              "value_mode: shared (value_mode: adapter runs its own forward for them)")
 
     @classmethod
     def resolve_reward(cls, config) -> RewardAdapter:
@@ -207,6 +210,16 @@ class MultiAdapterBackend(PPOBackend):
 
     def generate(self, input_ids, attention_mask, **sampling):
         return sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask, **sampling)
+
+    @torch.no_grad()
+    def generate_with_outputs(self, input_ids, attention_mask, **sampling):
+        if self.value_mode != "shared":
+            raise ConfigError("generate_with_outputs reads the value head on the sampler's hidden states: it needs "
+                              "value_mode: shared")
+        ids, logprobs, entropy, hidden = sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask,
+                                                with_outputs=True, **sampling)
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return ids, logprobs, values, entropy
 
     def lora_policy(self):
         return self.model, "policy"

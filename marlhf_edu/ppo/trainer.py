@@ -250,25 +250,34 @@ class PPOTrainer:
     def _chunks(self, n: int, size: int):
         return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
-    def _sample(self, prompt_ids, prompt_mask, chunk: int, with_logprobs: bool):
-        """Sampled (b, P + r) ids of one forward chunk, and with `with_logprobs` the (b, r) log-probs the sampler drew
-        them with; `chunk` counts chunks over the global batch."""
+    def _sample(self, prompt_ids, prompt_mask, chunk: int, outputs: str):
+        """Sampled (b, P + r) ids of one forward chunk and what the sampler recorded while drawing them: `outputs`
+        'ids' (nothing: None), 'logprobs' (`(logprobs,)`, the (b, r) log-probs it drew them with) or 'all'
+        (`(logprobs, values, entropy)`, `generate_with_outputs`); `chunk` counts chunks over the global batch."""
         cfg = self.config
-        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                        with_logprobs=with_logprobs)
+        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         extra = 0
         if cfg.rollout_cache == "static":  # one prompt width for every step: one cache shape, one compiled decode step
             extra = max(0, cfg.max_prompt_length - prompt_ids.shape[1])
             prompt_ids, prompt_mask = left_pad_to(prompt_ids, prompt_mask, cfg.max_prompt_length,
                                                   self.tokenizer.pad_token_id)
+
+        def draw():
+            if outputs == "all":
+                ids, *recorded = self.backend.generate_with_outputs(prompt_ids, prompt_mask, **sampling)
+                return ids, tuple(recorded)
+            if outputs == "logprobs":
+                ids, logprobs = self.backend.generate(prompt_ids, prompt_mask, with_logprobs=True, **sampling)
+                return ids, (logprobs,)
+            return self.backend.generate(prompt_ids, prompt_mask, **sampling), None
+
         if cfg.rollout_seeding == "stream":
-            out = self.backend.generate(prompt_ids, prompt_mask, **sampling)
+            ids, recorded = draw()
         else:
             with fork_all_rngs():
                 torch.manual_seed(chunk_seed(cfg.seed, self.step_index, chunk))
-                out = self.backend.generate(prompt_ids, prompt_mask, **sampling)
-        ids, logprobs = out if with_logprobs else (out, None)
-        return ids[:, extra:], logprobs
+                ids, recorded = draw()
+        return ids[:, extra:], recorded
 
     @torch.no_grad()
     def rollout(self, prompts: list[str]) -> Rollout:
@@ -282,13 +291,15 @@ class PPOTrainer:
         chunks = self._chunks(B, cfg.forward_batch_size)
         first_chunk = dp.rank * len(chunks)
 
+        from_sampler = cfg.old_logprobs == "sampler"
         with self.timer("generate"):  # (a stale merged copy is rebuilt here)
             # sampled from a separate copy (merged_rollout), or corrected by tis_cap: keep the log-probs each token
             # was drawn with, π_sampler. The policy decoding itself differs from its own full forward too, by how the
             # kernels round a one-token step against a whole sequence: under 1e-4 in fp32 (the tiny model's tests),
-            # 0.013-0.018 nats/token in bf16 (SmolLM2, chapter 09)
-            record_sampler = be.sampling_model() is not be.policy_model or cfg.tis_cap > 0
-            drawn = [self._sample(prompt_ids[c], prompt_mask[c], first_chunk + i, record_sampler)
+            # 0.013-0.018 nats/token in bf16 (SmolLM2, chapter 09). old_logprobs: sampler keeps values and entropy too
+            record_sampler = not from_sampler and (be.sampling_model() is not be.policy_model or cfg.tis_cap > 0)
+            outputs = "all" if from_sampler else "logprobs" if record_sampler else "ids"
+            drawn = [self._sample(prompt_ids[c], prompt_mask[c], first_chunk + i, outputs)
                      for i, c in enumerate(chunks)]
         responses = [ids[:, P:] for ids, _ in drawn]
         R = dp.max_int(max(r.shape[1] for r in responses))
@@ -330,21 +341,28 @@ class PPOTrainer:
         # ratio is exp(new - old): GPU kernels can round differently for different batch shapes. On an H100 at 7B,
         # 16 rows vs 1 differed by 0.033 per token on average (0.16 at most) once the LoRA was not zero; with these
         # rows the difference measured 0.0 (benchmarks/gpu_check.json)
-        logprobs, values, entropy, ref_logprobs = [], [], [], []
-        for rows in micro:
-            with self.timer("policy"):
-                lp, v, ent = self._policy_forward(input_ids[order[rows]], attention_mask[order[rows]], R,
-                                                  with_entropy=True)
-            logprobs.append(lp); values.append(v); entropy.append(ent)
+        def recorded(k):  # the sampler's k-th (b, r) record of every chunk, in row order, R columns, 0 after each answer
+            return torch.cat([torch.nn.functional.pad(out[k], (0, R - out[k].shape[1])) for _, out in drawn]).float()
+
+        if from_sampler:  # as each token was drawn: no policy forward (the update's first minibatch logs the gap)
+            logprobs, values, entropy = (recorded(k) * response_mask for k in range(3))
+        else:
+            logprobs, values, entropy = [], [], []
+            for rows in micro:
+                with self.timer("policy"):
+                    lp, v, ent = self._policy_forward(input_ids[order[rows]], attention_mask[order[rows]], R,
+                                                      with_entropy=True)
+                logprobs.append(lp); values.append(v); entropy.append(ent)
+            logprobs, values, entropy = (_in_row_order(order, x).float() for x in (logprobs, values, entropy))
+        ref_logprobs = []
         for c in no_grad_rows:
             with self.timer("reference"):
                 ids, mask, r, lengths = packed(input_ids[order[c]], attention_mask[order[c]], R)
                 ref_logprobs.append(unpacked(be.reference_logprobs(ids, mask, r, cfg.temperature), lengths, R))
-        logprobs, values, entropy, ref_logprobs = (_in_row_order(order, x).float()
-                                                   for x in (logprobs, values, entropy, ref_logprobs))
+        ref_logprobs = _in_row_order(order, ref_logprobs).float()
         logprob_gap = tis_weights = None
         if record_sampler:
-            sampled = torch.cat([torch.nn.functional.pad(lp, (0, R - lp.shape[1])) for _, lp in drawn]).float()
+            sampled = recorded(0)
             # the training-inference mismatch: tokens drawn from the sampler, trained on as if from the policy
             total, count = dp.gather(torch.stack([_masked_sum((sampled - logprobs).abs(), response_mask).sum(),
                                                   response_mask.sum().float()])[None]).sum(0)
@@ -389,6 +407,9 @@ class PPOTrainer:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         acc, skipped, epochs_run, stop = defaultdict(list), 0, 0, False
         self.minibatch_stats = []  # one dict per minibatch of this update, skipped or not (the tests read them)
+        # old_logprobs: sampler: the first minibatch runs at the rollout's weights, so its new log-probs are the
+        # training path's old ones, and |new − old| there is the sampler's gap (its tokens' sum and count)
+        gap = [] if cfg.old_logprobs == "sampler" else None
         for _ in range(cfg.ppo_epochs):
             epochs_run += 1
             for mb in torch.randperm(B, generator=self.shuffle).to(r.input_ids.device).split(cfg.mini_batch_size):
@@ -396,7 +417,7 @@ class PPOTrainer:
                 mine = self.dp.shard(mb)  # this rank's part of the minibatch (all of it on one process)
                 micro_stats = []
                 for micro in mine.split(cfg.micro_batch_size):
-                    loss, stats = self.micro_batch_loss(r, micro)
+                    loss, stats = self.micro_batch_loss(r, micro, gap=gap if gap is not None and not acc else None)
                     (loss * (len(micro) / len(mine))).backward()
                     micro_stats.append({k: float(v) for k, v in stats.items()})
                 mb_stats = self._global_micro_stats(micro_stats)
@@ -423,6 +444,9 @@ class PPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.backend.policy_changed()  # a merged rollout copy is rebuilt before the next sample
         out = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in acc.items() if k != "skipped"}
+        if gap is not None:
+            total, count = self.dp.gather(torch.stack(gap).sum(0)[None]).sum(0)
+            out["rollout/logprob_gap"] = float(total / count.clamp_min(1.0))
         out["ppo/skipped_minibatches"] = skipped  # minibatches whose optimizer step was skipped
         out["ppo/epochs"] = epochs_run
         out["ppo/early_stopped"] = float(stop)
@@ -452,12 +476,17 @@ class PPOTrainer:
         out = self.backend.policy_forward(ids, mask, r, self.config.temperature, with_entropy=with_entropy)
         return tuple(unpacked(x, lengths, n_response) for x in out)
 
-    def micro_batch_loss(self, r: Rollout, rows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """`ppo_loss` of rollout rows `rows` under the current policy and critic (one forward with the graph)."""
+    def micro_batch_loss(self, r: Rollout, rows, gap: list | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`ppo_loss` of rollout rows `rows` under the current policy and critic (one forward with the graph).
+        `gap`: append [Σ |log π_new − log π_old|, response tokens] over these rows to it."""
         cfg = self.config
         with self.backend.training_forward():  # checkpointed layers when `gradient_checkpointing`
             logprobs, values, entropy = self._policy_forward(r.input_ids[rows], r.attention_mask[rows], r.n_response,
                                                              with_entropy=cfg.entropy_coef != 0)
+        if gap is not None:
+            mask = r.response_mask[rows]
+            gap.append(torch.stack([_masked_sum((logprobs.detach().float() - r.logprobs[rows]).abs(), mask).sum(),
+                                    mask.sum().float()]))
         # truncated importance sampling (tis_cap): the clipped surrogate max(-Aρ, -A·clip(ρ)) times w ≥ 0 is the same
         # surrogate with advantages w·A, so weighting each token's policy loss is scaling its advantage
         advantages = r.advantages[rows] if r.tis_weights is None else r.advantages[rows] * r.tis_weights[rows]
