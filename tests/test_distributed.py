@@ -128,6 +128,21 @@ def test_the_engine_guides_two_process_command_runs_as_written(tmp_path):
 
 
 @pytest.mark.slow
+def test_old_logprobs_from_the_sampler_on_two_ranks_equal_one_process(tmp_path):
+    """`old_logprobs: sampler`: each rank keeps what its sampler recorded for its shard, and the gap its part of the
+    first minibatch measured is gathered, so 2 ranks log what 1 process logs, the gap included."""
+    shape = [*SHAPE, "--old_logprobs", "sampler", "--value_mode", "shared", "--merged_rollout", "true",
+             "--total_steps", "1", "--save_steps", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(_one_process("--output_dir", str(one), shape=shape))
+    _run(_two_ranks("--output_dir", str(two), shape=shape))
+    records = _records(one)
+    assert "rollout/logprob_gap" in records[0] and records[0]["time/policy_s"] == 0.0
+    _assert_same_records(records, _records(two))
+    _assert_same_weights(_weights(one, 1), _weights(two, 1))
+
+
+@pytest.mark.slow
 def test_four_model_full_fine_tuning_on_two_ranks_equals_one_process(tmp_path):
     """The other engine: four models, every weight of the actor and the separate critic trained (no LoRA)."""
     shape = ["--config", "configs/tiny_ppo.yaml", *SHAPE[2:], "--total_steps", "1", "--save_steps", "1"]

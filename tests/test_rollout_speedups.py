@@ -404,20 +404,29 @@ def test_the_recorders_entropy_is_the_distributions_with_masked_tokens_adding_no
     assert float(recorder.entropy[0, 1]) < float(recorder.entropy[0, 0])  # fewer tokens left: less entropy
 
 
-@pytest.mark.parametrize("merged_rollout", [True, False])
-def test_the_sampler_records_what_the_policy_forward_would_give(tmp_path, prompts, merged_rollout):
+@pytest.mark.parametrize("overrides", [
+    dict(merged_rollout=True),
+    dict(merged_rollout=False),  # the policy decoding itself
+    dict(merged_rollout=True, forward_batch_size=4),  # two sampling chunks, answers of two widths
+    dict(merged_rollout=True, rollout_cache="static"),  # prompts left-padded further, the padding cut again
+    dict(merged_rollout=True, merged_reward=True),  # the copy holds the reward adapter between samples
+])
+def test_the_sampler_records_what_the_policy_forward_would_give(tmp_path, prompts, overrides):
     """`old_logprobs: sampler`: the rollout's log-probs, values and entropy are recorded while decoding, and equal
     the training path's no-grad forward over the sampled rows up to fp32 rounding (merged copy or the policy
     decoding itself); zero after each answer, and the policy phase never runs."""
-    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=merged_rollout,
-                    old_logprobs="sampler")
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, old_logprobs="sampler", **overrides)
     be = trainer.backend
+    if overrides.get("merged_reward"):  # score once first: the copy then holds the reward adapter when sampling
+        trainer.rollout(trainer.batch_prompts(1))
     _perturb_policy(*be.lora_policy())
     _perturb_value_head(be)
     be.policy_changed()
+    trainer.timer.seconds.clear()
     r = trainer.rollout(trainer.batch_prompts(0))
     assert "policy" not in trainer.timer.seconds
     m = r.response_mask
+    assert (~m).any()  # some answer ended early: the zeros after it are checked below
     with torch.no_grad():
         lp, v, ent = trainer._policy_forward(r.input_ids, r.attention_mask, r.n_response, with_entropy=True)
     for name, recorded, forward in (("logprobs", r.logprobs, lp), ("values", r.values, v), ("entropy", r.entropy, ent)):
@@ -475,15 +484,45 @@ def test_the_first_minibatch_measures_the_samplers_gap(tmp_path, prompts):
     (dict(tis_cap=2.0), "tis_cap: 0"),
     (dict(device="cuda"), "fp32 products on the CPU"),
 ])
-def test_old_logprobs_from_the_sampler_refuses_what_it_cannot_stand_in_for(tmp_path, prompts, overrides, match):
+def test_old_logprobs_from_the_sampler_refuses_what_it_cannot_stand_in_for(overrides, match):
     config = PPOConfig(old_logprobs="sampler", **{**SMALL, **overrides})
     with pytest.raises(ConfigError, match=match):
         config.validate()
         MultiAdapterBackend.check_config(config)
-    with pytest.raises(ConfigError, match="old_logprobs: sampler reads the values"):
-        FourModelBackend.check_config(PPOConfig(old_logprobs="sampler", **SMALL))
+    config = PPOConfig(old_logprobs="sampler", **SMALL).validate()  # the same settings without the override pass
+    MultiAdapterBackend.check_config(config)
+
+
+def test_old_logprobs_names_its_modes_and_the_engine_it_needs():
+    with pytest.raises(ConfigError, match="the four-model engine recomputes them"):
+        FourModelBackend.check_config(PPOConfig(old_logprobs="sampler", critic="shared_head", **SMALL))
     with pytest.raises(ConfigError, match="old_logprobs must be one of"):
         PPOConfig(old_logprobs="policy").validate()
+
+
+def test_sampling_refuses_hidden_states_it_cannot_match_to_tokens(tmp_path, prompts):
+    """`sample(with_outputs=True)` pairs the decoder's k-th call with the k-th new token; a decoder called another
+    number of times (a transformers change) is an error, never a silent shift of every value."""
+    from marlhf_edu.ppo.backends import sample
+
+    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=False, merged_rollout=True)
+    be = trainer.backend
+    model = be.sampling_model()
+    enc = be.tokenizer(prompts[:2], return_tensors="pt", padding=True, padding_side="left")
+    sample(model, be.tokenizer, enc.input_ids, enc.attention_mask, max_new_tokens=4, temperature=1.0, with_outputs=True)
+    real_forward = model.forward
+
+    def forward_twice(*args, **kwargs):  # an extra decoder call per step, as a changed generate might make
+        model.get_decoder()(input_ids=kwargs["input_ids"][:, -1:], use_cache=False)
+        return real_forward(*args, **kwargs)
+
+    model.forward = forward_twice
+    try:
+        with pytest.raises(RuntimeError, match="decoder calls for"):
+            sample(model, be.tokenizer, enc.input_ids, enc.attention_mask, max_new_tokens=4, temperature=1.0,
+                   with_outputs=True)
+    finally:
+        del model.forward
 
 
 # ---- rollout_cache: static -----------------------------------------------------------------------------------

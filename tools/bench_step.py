@@ -9,7 +9,8 @@ allocator warm-up and lazy initialisation) of each phase the trainer times (`PPO
 
     generate   sampling the responses (KV cache)
     score      the reward model's scores
-    policy     the rollout's no-grad policy (and critic) forward: old log-probs, values, entropy
+    policy     the rollout's no-grad policy (and critic) forward: old log-probs, values, entropy (0 with
+               `old_logprobs: sampler`, which keeps the sampler's own)
     reference  the reference model's log-probs
     update     the PPO epochs (forward with graph, backward, optimizer)
 

@@ -8,8 +8,9 @@ the model once per new token, so both costs are paid R times per rollout. A dens
 
 computes the same function with one plain matmul per layer. `MergedPolicy` holds that copy, in the base's
 compute dtype (fp32 on CPU, bf16 on CUDA), and samples from it; the PPO log-probs, values and gradients still
-come from the training path (adapter on the base), so the ratio is still exactly 1 at the first minibatch and
-every equivalence test of the engine holds. The two paths agree up to floating-point rounding
+come from the training path (adapter on the base), so the ratio is exactly 1 at the first minibatch and every
+equivalence test of the engine holds (`PPOConfig.old_logprobs: sampler` instead keeps the copy's own log-probs and
+values as the old ones: a CPU option, the ratio then 1 up to the rounding the gap below measures). The two paths agree up to floating-point rounding
 (`tests/test_rollout_speedups.py` states the tolerance).
 
 π_sampler, the log-probability each token was drawn with, is recorded while the copy samples (`SampledLogprobs`):
@@ -100,7 +101,7 @@ class SampledLogprobs:
         if self._pending is not None:
             self._picked.append(self._pending.gather(1, input_ids[:, -1:]))
         self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        if self._entropy is not None:  # −Σ p·log p as one (1, V)·(V, 1) product per row: no (B, V) temporary
+        if self._entropy is not None:  # −Σ p·log p as one (1, V)·(V, 1) product per row: no second (B, V) temporary
             p = self._pending.exp()
             h = -torch.bmm(p[:, None, :], self._pending[:, :, None]).view(-1, 1)
             if not torch.isfinite(h).all():  # a token masked to −inf: p = 0 there, and 0·(−inf) is NaN, not 0
