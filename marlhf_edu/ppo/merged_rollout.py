@@ -10,8 +10,8 @@ computes the same function with one plain matmul per layer. `MergedPolicy` holds
 compute dtype (fp32 on CPU, bf16 on CUDA), and samples from it; the PPO log-probs, values and gradients still
 come from the training path (adapter on the base), so the ratio is exactly 1 at the first minibatch and every
 equivalence test of the engine holds (`PPOConfig.old_logprobs: sampler` instead keeps the copy's own log-probs and
-values as the old ones: a CPU option, the ratio then 1 up to the rounding the gap below measures). The two paths agree up to floating-point rounding
-(`tests/test_rollout_speedups.py` states the tolerance).
+values as the old ones: a CPU option, the ratio then 1 up to the rounding the gap below measures). The two paths
+agree up to floating-point rounding (`tests/test_rollout_speedups.py` states the tolerance).
 
 π_sampler, the log-probability each token was drawn with, is recorded while the copy samples (`SampledLogprobs`):
 log softmax(z / T) of the very logits `generate` drew from, so the gap the engine logs and the weights of

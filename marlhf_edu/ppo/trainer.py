@@ -478,7 +478,7 @@ class PPOTrainer:
 
     def micro_batch_loss(self, r: Rollout, rows, gap: list | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`ppo_loss` of rollout rows `rows` under the current policy and critic (one forward with the graph).
-        `gap`: append [Σ |log π_new − log π_old|, response tokens] over these rows to it."""
+        `gap`: append [Σ abs(log π_new − log π_old), response tokens] over these rows to it."""
         cfg = self.config
         with self.backend.training_forward():  # checkpointed layers when `gradient_checkpointing`
             logprobs, values, entropy = self._policy_forward(r.input_ids[rows], r.attention_mask[rows], r.n_response,
