@@ -36,6 +36,7 @@ from marlhf_edu.math.logprobs import entropy_from_logits, logprobs_from_logits
 from marlhf_edu.math.scoring import position_ids_from_mask, sequence_scores
 from marlhf_edu.ppo.checkpointing import checkpointed, enable_checkpointing
 from marlhf_edu.ppo.merged_rollout import MergedPolicy, SampledLogprobs
+from marlhf_edu.ppo.token_draw import TOKEN_DRAWS
 
 
 def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int,
@@ -79,7 +80,7 @@ def sequence_logprobs(model, input_ids, attention_mask, n_response: int, tempera
 
 @torch.no_grad()
 def sample(model, tokenizer, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
-           top_p: float = 1.0, with_logprobs: bool = False, with_outputs: bool = False):
+           top_p: float = 1.0, with_logprobs: bool = False, with_outputs: bool = False, draw: str = "multinomial"):
     """`generate` with plain temperature sampling (top-k/top-p off unless set), pad and EOS from the tokenizer.
 
     Returns the (B, P + R) ids; with `with_logprobs`, `(ids, logprobs)`: also the (B, R) log-probs the sampler
@@ -87,24 +88,39 @@ def sample(model, tokenizer, input_ids, attention_mask, *, max_new_tokens: int, 
     the (B, R) entropy of each step's distribution and the (B, R, H) last hidden state each new token was drawn
     from, the decoder's output at the step's last position (what a value head reads: `PPOConfig.old_logprobs`).
     Generation runs the model once per new token (the prompt's prefill gives the first), so step t's hidden
-    state is V's input for token t, as `response_values` reads the full forward's."""
+    state is V's input for token t, as `response_values` reads the full forward's.
+
+    `draw`: "multinomial" (transformers' own `torch.multinomial`) or "inverse_cdf" (`token_draw`: the recorder
+    draws from the same softmax(z / T) and `generate` runs greedy on its one-hot scores; needs top_k 0 and
+    top_p 1, the warpers it bypasses)."""
     from transformers import LogitsProcessorList
 
-    recorder = SampledLogprobs(temperature, entropy=with_outputs) if with_logprobs or with_outputs else None
+    if draw not in TOKEN_DRAWS:
+        raise ValueError(f"sample: draw must be one of {TOKEN_DRAWS}, got {draw!r}")
+    own_draw = draw == "inverse_cdf"
+    if own_draw and (top_k != 0 or top_p != 1.0):
+        raise ValueError(f"sample: draw='inverse_cdf' draws from the full softmax(z / T); top_k={top_k}, top_p={top_p} "
+                         "need draw='multinomial'")
+    recorder = (SampledLogprobs(temperature, entropy=with_outputs, draw=own_draw)
+                if with_logprobs or with_outputs or own_draw else None)
+    # greedy on the recorder's one-hot scores: no temperature, top-k or top-p warpers, no multinomial
+    mode = (dict(do_sample=False) if own_draw else
+            dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p))
     hidden = []
     hook = (model.get_decoder().register_forward_hook(lambda module, args, out: hidden.append(out[0][:, -1]))
             if with_outputs else None)
     try:
-        ids = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                             temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+        ids = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             logits_processor=LogitsProcessorList([recorder] if recorder else []))
+                             logits_processor=LogitsProcessorList([recorder] if recorder else []), **mode)
     finally:
         if hook is not None:
             hook.remove()
     if recorder is None:
         return ids
     logprobs = recorder.finish(ids)
+    if not (with_logprobs or with_outputs):
+        return ids
     if not with_outputs:
         return ids, logprobs
     if len(hidden) != logprobs.shape[1]:  # one forward per new token is what generate does; refuse anything else
@@ -187,13 +203,13 @@ class PPOBackend:
         raise NotImplementedError
 
     def generate(self, input_ids, attention_mask, *, max_new_tokens: int, temperature: float, top_k: int = 0,
-                 top_p: float = 1.0, with_logprobs: bool = False):
+                 top_p: float = 1.0, with_logprobs: bool = False, draw: str = "multinomial"):
         """Sample with the KV cache; returns (B, P + R) token ids (R ≤ max_new_tokens), and with `with_logprobs`
-        also the (B, R) log-probs each new token was drawn with (`sample`)."""
+        also the (B, R) log-probs each new token was drawn with (`sample`, which `draw` is passed to)."""
         raise NotImplementedError
 
     def generate_with_outputs(self, input_ids, attention_mask, *, max_new_tokens: int, temperature: float,
-                              top_k: int = 0, top_p: float = 1.0):
+                              top_k: int = 0, top_p: float = 1.0, draw: str = "multinomial"):
         """`(ids, logprobs, values, entropy)`: `generate`'s ids and, recorded while decoding, what the rollout's
         no-grad `policy_forward` would return for them, each (B, R): the log-prob each token was drawn with, the
         value of the state it was drawn in, the entropy it was drawn from (`PPOConfig.old_logprobs: sampler`)."""

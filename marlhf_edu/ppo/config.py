@@ -24,6 +24,7 @@ from marlhf_edu.loading.quantization import NF4_COMPUTE_DTYPES
 from marlhf_edu.math.kl import KL_KINDS
 from marlhf_edu.math.ppo_objective import LOSS_AGGREGATIONS
 from marlhf_edu.math.scoring import TRUNCATED_SCORING
+from marlhf_edu.ppo.token_draw import TOKEN_DRAWS
 
 #: Estimators usable per sampled token ('full' needs whole distributions, which the loop does not keep).
 TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
@@ -94,6 +95,7 @@ class PPOConfig:
     temperature: float = field(default=1.0, metadata={"help": "divides the logits in sampling and in scoring alike"})
     top_k: int = field(default=0, metadata={"help": "must stay 0 (off) for training: see validate()"})
     top_p: float = field(default=1.0, metadata={"help": "must stay 1.0 (off) for training: see validate()"})
+    token_draw: str = field(default="multinomial", metadata={"help": "how the sampler draws each token from softmax(z / T): 'multinomial' (transformers' torch.multinomial, an exponential race that makes B x V random numbers a decode step: 14-15 ms a step with its softmax at SmolLM2's 16 x 49,152 on a 2-core AMD EPYC) or 'inverse_cdf' (one fp64 uniform a row against the fp64 cumulative probabilities: 0.8 ms there; the same distribution up to fp64 rounding, from another random stream, so a run's samples differ from multinomial's). CPU only; rollouts only (evaluation samples with multinomial)"})
     rollout_seeding: str = field(default="stream", metadata={"help": "'stream': one random stream samples the whole batch, chunk after chunk; 'per_chunk': each forward chunk of the global batch is sampled from its own seed (seed, step, chunk), so the samples do not depend on how many ranks share the batch. Data-parallel runs need per_chunk"})
     # ---- scores ---------------------------------------------------------------------------
     truncated_scoring: str = field(default="append_eos", metadata={"help": "how the reward model reads a response cut off at max_new_tokens (no EOS): 'append_eos' (default) scores it with EOS appended, as the reward model was trained on EOS-terminated texts, and missing_eos_penalty then charges the truncation; 'last_token' reads it at its last generated token, mid-sentence, out of the reward model's training distribution (the trap chapter 13 shows)"})
@@ -174,6 +176,11 @@ class PPOConfig:
              f"top_k={self.top_k}, top_p={self.top_p}: PPO needs the log-probs of the distribution it sampled from, and "
              "the engine scores tokens under the full softmax(z / T); set top_k: 0 and top_p: 1.0 for training "
              "(use them only for sampling outside PPO)")
+        need(self.token_draw in TOKEN_DRAWS, f"token_draw must be one of {TOKEN_DRAWS}, got {self.token_draw!r}")
+        # a GPU's parallel cumulative sum need not be monotone (token_draw's guarantees assume the CPU's ordered one),
+        # and there the draw was never measured or tested
+        need(self.token_draw == "multinomial" or self.resolved_device == "cpu",
+             f"token_draw: inverse_cdf is for a CPU (device {self.resolved_device}); use multinomial on a GPU")
         need(self.rollout_seeding in ("stream", "per_chunk"),
              f"rollout_seeding must be 'stream' or 'per_chunk', got {self.rollout_seeding!r}")
         need(self.early_stopping_check in ("epoch", "minibatch"),

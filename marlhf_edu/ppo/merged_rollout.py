@@ -45,6 +45,7 @@ from torch import nn
 
 from marlhf_edu.loading.onednn import onednn_weights, use_onednn
 from marlhf_edu.math.logprobs import entropy_from_logits
+from marlhf_edu.ppo.token_draw import inverse_cdf_draw
 
 
 def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -89,10 +90,15 @@ class SampledLogprobs:
 
     With `entropy=True` it also keeps the entropy H_t = −Σ_v p_v log p_v of each step's distribution, (B, R) fp32 in
     `entropy` after `finish`: what the rollout's policy forward would log (`PPOConfig.old_logprobs: sampler`).
+
+    With `draw=True` it also draws each token itself from those log-probs (`token_draw.inverse_cdf_draw`) and
+    returns scores of 0 for the drawn token and −inf elsewhere: `generate` must then run greedy
+    (`do_sample=False`, no warpers), and its argmax is the draw (`PPOConfig.token_draw: inverse_cdf`).
     """
 
-    def __init__(self, temperature: float, entropy: bool = False):
+    def __init__(self, temperature: float, entropy: bool = False, draw: bool = False):
         self.temperature = temperature
+        self.draw = draw
         self._pending = None  # (B, V) log-probs of the step whose token is not yet drawn
         self._picked = []
         self._entropy = [] if entropy else None
@@ -102,6 +108,7 @@ class SampledLogprobs:
         if self._pending is not None:
             self._picked.append(self._pending.gather(1, input_ids[:, -1:]))
         self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        p = None
         if self._entropy is not None:
             # −Σ p·log p from the log-probs just made, as one (1, V)·(V, 1) product per row: 1.7 ms a decode step at
             # SmolLM2's 16 × 49,152 against 4.8 ms for entropy_from_logits, which recomputes the softmax (this AMD
@@ -112,6 +119,9 @@ class SampledLogprobs:
             if not torch.isfinite(h).all():
                 h = entropy_from_logits(scores.float()[:, None] / self.temperature)
             self._entropy.append(h)
+        if self.draw:
+            drawn = inverse_cdf_draw(self._pending.exp() if p is None else p)
+            return torch.full_like(scores, float("-inf")).scatter_(1, drawn[:, None], 0.0)
         return scores
 
     def finish(self, sequences: torch.Tensor) -> torch.Tensor:

@@ -255,7 +255,8 @@ class PPOTrainer:
         'ids' (nothing: None), 'logprobs' (`(logprobs,)`, the (b, r) log-probs it drew them with) or 'all'
         (`(logprobs, values, entropy)`, `generate_with_outputs`); `chunk` counts chunks over the global batch."""
         cfg = self.config
-        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                        draw=cfg.token_draw)
         extra = 0
         if cfg.rollout_cache == "static":  # one prompt width for every step: one cache shape, one compiled decode step
             extra = max(0, cfg.max_prompt_length - prompt_ids.shape[1])
