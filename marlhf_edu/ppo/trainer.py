@@ -189,6 +189,12 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(1)
 
 
+def _abs_gap_parts(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(2,): Σ abs(a − b) over the (B, R) `mask`'s tokens, and their count; summed over pieces and ranks, then
+    divided (`PPOTrainer._per_token`), the mean absolute gap per token that `rollout/logprob_gap` logs."""
+    return torch.stack([_masked_sum((a - b).abs(), mask).sum(), mask.sum().float()])
+
+
 class PPOTrainer:
     """Runs PPO on `backend` over `prompts` (already rendered with the template)."""
 
@@ -365,9 +371,7 @@ class PPOTrainer:
         if record_sampler:
             sampled = recorded(0)
             # the training-inference mismatch: tokens drawn from the sampler, trained on as if from the policy
-            total, count = dp.gather(torch.stack([_masked_sum((sampled - logprobs).abs(), response_mask).sum(),
-                                                  response_mask.sum().float()])[None]).sum(0)
-            logprob_gap = total / count.clamp_min(1.0)
+            logprob_gap = self._per_token([_abs_gap_parts(sampled, logprobs, response_mask)])
             if cfg.tis_cap:  # truncated importance sampling: E_sampler[w · g] = E_policy[g] where w is not capped
                 tis_weights = dp.gather(torch.where(response_mask, (logprobs - sampled).exp().clamp(max=cfg.tis_cap),
                                                     0.0))
@@ -446,12 +450,16 @@ class PPOTrainer:
         self.backend.policy_changed()  # a merged rollout copy is rebuilt before the next sample
         out = {k: (max(v) if k == "policy/ratio_max" else sum(v) / len(v)) for k, v in acc.items() if k != "skipped"}
         if gap is not None:
-            total, count = self.dp.gather(torch.stack(gap).sum(0)[None]).sum(0)
-            out["rollout/logprob_gap"] = float(total / count.clamp_min(1.0))
+            out["rollout/logprob_gap"] = float(self._per_token(gap))
         out["ppo/skipped_minibatches"] = skipped  # minibatches whose optimizer step was skipped
         out["ppo/epochs"] = epochs_run
         out["ppo/early_stopped"] = float(stop)
         return out
+
+    def _per_token(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Σ of `_abs_gap_parts`' sums over `parts` and every rank, over Σ of their counts."""
+        total, count = self.dp.gather(torch.stack(parts).sum(0)[None]).sum(0)
+        return total / count.clamp_min(1.0)
 
     def _global_micro_stats(self, micro_stats: list[dict[str, float]]) -> dict[str, list[float]]:
         """key → its value in every micro-batch of the minibatch, on all ranks in rank order: the list one process
@@ -485,9 +493,7 @@ class PPOTrainer:
             logprobs, values, entropy = self._policy_forward(r.input_ids[rows], r.attention_mask[rows], r.n_response,
                                                              with_entropy=cfg.entropy_coef != 0)
         if gap is not None:
-            mask = r.response_mask[rows]
-            gap.append(torch.stack([_masked_sum((logprobs.detach().float() - r.logprobs[rows]).abs(), mask).sum(),
-                                    mask.sum().float()]))
+            gap.append(_abs_gap_parts(logprobs.detach().float(), r.logprobs[rows], r.response_mask[rows]))
         # truncated importance sampling (tis_cap): the clipped surrogate max(-Aρ, -A·clip(ρ)) times w ≥ 0 is the same
         # surrogate with advantages w·A, so weighting each token's policy loss is scaling its advantage
         advantages = r.advantages[rows] if r.tis_weights is None else r.advantages[rows] * r.tis_weights[rows]
