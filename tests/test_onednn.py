@@ -187,9 +187,9 @@ def test_a_torch_without_the_onednn_operators_is_refused_before_anything_loads(t
     PPOConfig(output_dir=str(tmp_path), device="cpu").validate()  # off: nothing asked of oneDNN
 
 
-def test_onednn_matmuls_is_a_cpu_fp32_multi_adapter_option(tmp_path):
+def test_onednn_matmuls_is_a_cpu_fp32_option(tmp_path):
     from marlhf_edu.errors import ConfigError
-    from marlhf_edu.ppo import FourModelBackend, PPOConfig
+    from marlhf_edu.ppo import PPOConfig
 
     ok = PPOConfig(output_dir=str(tmp_path), load_in_4bit=True, nf4_dequantize_once=True, onednn_matmuls=True,
                    device="cpu")
@@ -199,5 +199,50 @@ def test_onednn_matmuls_is_a_cpu_fp32_multi_adapter_option(tmp_path):
                 dict(load_in_4bit=True, nf4_dequantize_once=True, nf4_compute_dtype="bfloat16")):
         with pytest.raises(ConfigError, match="onednn_matmuls multiplies"):
             PPOConfig(output_dir=str(tmp_path), onednn_matmuls=True, device="cpu", **bad).validate()
-    with pytest.raises(ConfigError, match="multi-adapter option"):
-        FourModelBackend.check_config(PPOConfig(output_dir=str(tmp_path), onednn_matmuls=True, device="cpu"))
+
+
+FOUR_MODEL_CASES = [dict(critic="shared_head", actor_lora_r=0),  # a fully trained actor, the reward LoRA unmerged
+                    dict(critic="separate", actor_lora_r=8, actor_lora_alpha=16, merged_rollout=True,
+                         merged_reward=True)]
+
+
+def _four_model_trainer(tmp_path, flag, **overrides):
+    from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
+
+    config = PPOConfig(output_dir=str(tmp_path / str(flag)), onednn_matmuls=flag, device="cpu", batch_size=4,
+                       mini_batch_size=2, forward_batch_size=4, micro_batch_size=2, max_new_tokens=6, total_steps=1,
+                       seed=0, **overrides)
+    torch.manual_seed(0)
+    backend = FourModelBackend.from_config(config)
+    return PPOTrainer(backend, config, ["Hello there", "How are you", "Tell me a story", "Why"])
+
+
+@pytest.mark.parametrize("overrides", FOUR_MODEL_CASES)
+def test_a_four_model_step_through_onednn_matches_and_reorders_only_the_frozen_models(tmp_path, overrides):
+    """Four-model PPO with onednn_matmuls: the reference, the reward model and a merged copy multiply through
+    oneDNN, the actor and critic (trained) do not; the first step's statistics agree with the default engine's to
+    rounding; the measured weights exceed the run without it by exactly the plan's `onednn_bytes`."""
+    from marlhf_edu.memory.measure import model_state_bytes
+    from marlhf_edu.memory.plan import MemorySettings, ModelShape, onednn_bytes
+
+    records, held = {}, {}
+    for flag in (False, True):
+        trainer = _four_model_trainer(tmp_path, flag, **overrides)
+        records[flag] = trainer.step()
+        be = trainer.backend
+        held[flag] = model_state_bytes(be._with_rollout_copy(be.models()))["total"]
+    reordered = {name: sum(1 for _ in onednn_weights(model)) for name, model in be.models().items()}
+    assert reordered["reference"] > 0 and reordered["reward"] > 0
+    assert reordered["actor"] == 0 and reordered["critic"] == 0
+    assert reordered.get("rollout copy", 0) == (0 if not overrides.get("merged_rollout") else reordered["reference"])
+    off, on = records[False], records[True]
+    assert on["response/length"] == off["response/length"]
+    for key in ("score/mean", "kl/k1", "loss/policy", "loss/value", "value/mean"):
+        assert on[key] == pytest.approx(off[key], rel=1e-3, abs=1e-5), key
+    shape = ModelShape.resolve(str(SFT_DIR))
+    reward_r = be.reward.peft_config["default"].r if hasattr(be.reward, "peft_config") else 0
+    s = MemorySettings(critic=overrides["critic"], policy_lora_r=overrides["actor_lora_r"],
+                       value_lora_r=overrides["actor_lora_r"], reward_lora_r=reward_r,
+                       merged_rollout=overrides.get("merged_rollout", False),
+                       merged_reward=overrides.get("merged_reward", False), onednn_matmuls=True)
+    assert held[True] - held[False] == onednn_bytes(shape, s, "four-model")[0] > 0

@@ -379,9 +379,10 @@ def test_a_policy_sampling_itself_records_its_sampler_under_tis(tmp_path, prompt
 def _perturb_value_head(backend, seed=5):
     """A non-zero value head (it starts at 0, which would make every value trivially equal)."""
     g = torch.Generator().manual_seed(seed)
+    head = backend.sampler_value_head()  # the multi-adapter value head, or the four-model shared head
     with torch.no_grad():
-        backend.value_head.weight.copy_(torch.randn(backend.value_head.weight.shape, generator=g))
-        backend.value_head.bias.fill_(0.3)
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g))
+        head.bias.fill_(0.3)
 
 
 def test_the_recorders_entropy_is_the_distributions_with_masked_tokens_adding_nothing():
@@ -404,22 +405,39 @@ def test_the_recorders_entropy_is_the_distributions_with_masked_tokens_adding_no
     assert float(recorder.entropy[0, 1]) < float(recorder.entropy[0, 0])  # fewer tokens left: less entropy
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(merged_rollout=True),
-    dict(merged_rollout=False),  # the policy decoding itself
-    dict(merged_rollout=True, forward_batch_size=4),  # two sampling chunks, answers of two widths
-    dict(merged_rollout=True, rollout_cache="static"),  # prompts left-padded further, the padding cut again
-    dict(merged_rollout=True, merged_reward=True),  # the copy holds the reward adapter between samples
+def _perturb_actor(actor, seed=6):
+    """A fully trained actor moved off the SFT weights (so that the value head and the reference see another model)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+MA = dict(load_in_4bit=True)
+FOUR = dict(critic="shared_head")
+
+
+@pytest.mark.parametrize("backend_cls, overrides", [
+    (MultiAdapterBackend, dict(MA, merged_rollout=True)),
+    (MultiAdapterBackend, dict(MA, merged_rollout=False)),  # the policy decoding itself
+    (MultiAdapterBackend, dict(MA, merged_rollout=True, forward_batch_size=4)),  # two chunks, answers of two widths
+    (MultiAdapterBackend, dict(MA, merged_rollout=True, rollout_cache="static")),  # prompts padded further, cut again
+    (MultiAdapterBackend, dict(MA, merged_rollout=True, merged_reward=True)),  # the copy holds the reward adapter
+    (FourModelBackend, dict(FOUR, merged_rollout=True)),  # a LoRA actor's merged copy, the head on the actor
+    (FourModelBackend, dict(FOUR, actor_lora_r=0)),  # a fully trained actor decoding itself
 ])
-def test_the_sampler_records_what_the_policy_forward_would_give(tmp_path, prompts, overrides):
+def test_the_sampler_records_what_the_policy_forward_would_give(tmp_path, prompts, backend_cls, overrides):
     """`old_logprobs: sampler`: the rollout's log-probs, values and entropy are recorded while decoding, and equal
     the training path's no-grad forward over the sampled rows up to fp32 rounding (merged copy or the policy
     decoding itself); zero after each answer, and the policy phase never runs."""
-    trainer = build(tmp_path, MultiAdapterBackend, prompts, load_in_4bit=True, old_logprobs="sampler", **overrides)
+    trainer = build(tmp_path, backend_cls, prompts, old_logprobs="sampler", **overrides)
     be = trainer.backend
     if overrides.get("merged_reward"):  # score once first: the copy then holds the reward adapter when sampling
         trainer.rollout(trainer.batch_prompts(1))
-    _perturb_policy(*be.lora_policy())
+    if overrides.get("actor_lora_r") == 0:
+        _perturb_actor(be.actor)
+    else:
+        _perturb_policy(*be.lora_policy())
     _perturb_value_head(be)
     be.policy_changed()
     trainer.timer.seconds.clear()
@@ -438,14 +456,17 @@ def test_the_sampler_records_what_the_policy_forward_would_give(tmp_path, prompt
     assert float(r.values[m].std()) > 0.1
 
 
-def test_old_logprobs_from_the_sampler_train_as_the_recomputed_ones(tmp_path, prompts):
-    """Two runs of one seed, the old log-probs recorded by the merged copy or recomputed: the same sampled tokens
+@pytest.mark.parametrize("backend_cls, overrides", [
+    (MultiAdapterBackend, dict(MA, merged_rollout=True)),
+    (FourModelBackend, dict(FOUR, actor_lora_r=0, merged_reward=True)),  # the shape compare_trl times
+])
+def test_old_logprobs_from_the_sampler_train_as_the_recomputed_ones(tmp_path, prompts, backend_cls, overrides):
+    """Two runs of one seed, the old log-probs recorded by the sampler or recomputed: the same sampled tokens
     and, to fp32 rounding, the same statistics, losses and first-minibatch ratio; the sampler's run logs the gap its
     first minibatch (at the rollout's weights) measured, one forward a step fewer."""
     runs = {}
     for mode in ("recompute", "sampler"):
-        trainer = build(tmp_path / mode, MultiAdapterBackend, prompts, load_in_4bit=True, merged_rollout=True,
-                        old_logprobs=mode)
+        trainer = build(tmp_path / mode, backend_cls, prompts, old_logprobs=mode, **overrides)
         runs[mode] = (trainer, [trainer.step() for _ in range(2)])
     (recompute, a), (sampler, b) = runs["recompute"], runs["sampler"]
     assert torch.equal(recompute.last_rollout.input_ids, sampler.last_rollout.input_ids)
@@ -493,9 +514,10 @@ def test_old_logprobs_from_the_sampler_refuses_what_it_cannot_stand_in_for(overr
     MultiAdapterBackend.check_config(config)
 
 
-def test_old_logprobs_names_its_modes_and_the_engine_it_needs():
-    with pytest.raises(ConfigError, match="the four-model engine recomputes them"):
-        FourModelBackend.check_config(PPOConfig(old_logprobs="sampler", critic="shared_head", **SMALL))
+def test_old_logprobs_names_its_modes_and_the_critic_it_needs():
+    with pytest.raises(ConfigError, match="needs critic: shared_head"):
+        FourModelBackend.check_config(PPOConfig(old_logprobs="sampler", critic="separate", **SMALL))
+    FourModelBackend.check_config(PPOConfig(old_logprobs="sampler", critic="shared_head", **SMALL))
     with pytest.raises(ConfigError, match="old_logprobs must be one of"):
         PPOConfig(old_logprobs="policy").validate()
 

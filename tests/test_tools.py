@@ -100,3 +100,27 @@ def test_compare_trl_summarises_repeats_by_their_median():
     assert summary["a"]["trl_s_over_ours_s"] == [1.2, 0.9, 1.0] and summary["a"]["median_trl_s_over_ours_s"] == 1.0
     assert summary["a"]["median_repeat"] == 3 and summary["b"]["median_repeat"] == 3
     assert summary["b"]["ours_step_s"] == [2.0, 2.0, 2.0] and summary["b"]["trl_step_s"] == [1.2, 0.9, 1.0]
+
+
+def test_every_setting_compare_trl_times_is_a_config_its_engine_accepts(tmp_path):
+    """Each (label, command, overrides) of `compare_trl.OURS`, the CPU-options rows included, parses with the tiny
+    config, validates, and passes its backend's `check_config`: a setting the engine refuses would fail only
+    after trl's run, in the middle of a comparison."""
+    import importlib.util
+
+    from marlhf_edu.ppo import FourModelBackend, PPOConfig
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+    from marlhf_edu.training.args import parse_stage_args
+
+    spec = importlib.util.spec_from_file_location("compare_trl", TOOLS / "compare_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    backends = {"ppo": FourModelBackend, "ma-ppo": MultiAdapterBackend}
+    settings = [s for case in module.OURS.values() for s in case]
+    assert sum(label.endswith("CPU options") for label, _, _ in settings) == 2
+    for label, command, overrides in settings:
+        (config,) = parse_stage_args((PPOConfig,), ["--config", str(ROOT / module.CONFIG), *overrides,
+                                                    "--output_dir", str(tmp_path)])
+        backends[command].check_config(config.validate())
+        if label.endswith("CPU options"):
+            assert (config.old_logprobs, config.onednn_matmuls, config.token_draw) == ("sampler", True, "inverse_cdf")

@@ -29,6 +29,8 @@ Cases (ours, then trl's):
                the policy) with and without `--merged_rollout true`, and with `--merged_reward true` too (the
                reward adapter merged into the sampling copy to score, as trl's side scores with merged weights),
                against trl with the same peft LoRA (reference = adapter disabled).
+Each case's last setting adds the CPU options (`CPU_OPTIONS`: `old_logprobs: sampler`, `onednn_matmuls`,
+`token_draw: inverse_cdf`; the same numbers up to fp32 rounding, the tokens from another random stream).
 Not part of `make test`; its output is stored in `benchmarks/` and quoted by site/benchmarks.md.
 """
 
@@ -47,14 +49,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIG = "configs/tiny_ppo.yaml"
 LORA = ["--load_in_4bit", "false", "--value_mode", "shared", "--actor_lora_r", "16", "--actor_lora_alpha", "32"]
+#: the CPU options of configs/smollm2/ma_ppo.yaml that compute the same numbers up to fp32 rounding (chapter 09):
+#: the sampler's own log-probs and values, frozen weights through oneDNN, the inverse-CDF token draw
+CPU_OPTIONS = ["--old_logprobs", "sampler", "--onednn_matmuls", "true", "--token_draw", "inverse_cdf"]
 OURS = {  # case → [(label, command, overrides)]
     "full": [("separate critic (chapter 09)", "ppo", []),
              ("critic: shared_head", "ppo", ["--critic", "shared_head"]),
-             ("critic: shared_head, merged_reward", "ppo", ["--critic", "shared_head", "--merged_reward", "true"])],
+             ("critic: shared_head, merged_reward", "ppo", ["--critic", "shared_head", "--merged_reward", "true"]),
+             ("critic: shared_head, merged_reward, CPU options", "ppo",
+              ["--critic", "shared_head", "--merged_reward", "true", *CPU_OPTIONS])],
     "lora": [("LoRA, value head on the policy", "ma-ppo", LORA),
              ("LoRA, value head on the policy, merged_rollout", "ma-ppo", LORA + ["--merged_rollout", "true"]),
              ("LoRA, value head on the policy, merged_rollout, merged_reward", "ma-ppo",
-              LORA + ["--merged_rollout", "true", "--merged_reward", "true"])],
+              LORA + ["--merged_rollout", "true", "--merged_reward", "true"]),
+             ("LoRA, value head on the policy, merged_rollout, merged_reward, CPU options", "ma-ppo",
+              LORA + ["--merged_rollout", "true", "--merged_reward", "true", *CPU_OPTIONS])],
 }
 
 
@@ -259,7 +268,7 @@ def main(argv=None):
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for r in out["summary"]:
         ratios = ", ".join(f"{x:.2f}" for x in r["trl_s_over_ours_s"])
-        print(f"{r['case']:5s} {r['label']:66s} trl/ours median {r['median_trl_s_over_ours_s']:.2f} ({ratios})")
+        print(f"{r['case']:5s} {r['label']:78s} trl/ours median {r['median_trl_s_over_ours_s']:.2f} ({ratios})")
     return out
 
 

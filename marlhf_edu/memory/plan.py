@@ -165,7 +165,7 @@ class MemorySettings:
                                        # multi-adapter: into the merged_rollout copy, no memory of its own
     nf4_dequantize_once: bool = False  # multi-adapter, CPU: each 4-bit layer keeps its weight dequantized
     nf4_compute_dtype: str = "auto"    # the 4-bit layers' compute dtype ('auto' = weight_dtype)
-    onednn_matmuls: bool = False       # multi-adapter, CPU: frozen fp32 weights also held reordered for oneDNN
+    onednn_matmuls: bool = False       # CPU: frozen fp32 weights also held reordered for oneDNN
 
     def validate(self) -> "MemorySettings":
 
@@ -362,19 +362,30 @@ def dequantized_once_bytes(shape: ModelShape, s: MemorySettings) -> tuple[int, i
     return shape.num_layers * layer, layer
 
 
-def onednn_bytes(shape: ModelShape, s: MemorySettings) -> tuple[int, int]:
-    """`onednn_matmuls` (`marlhf_edu.loading.onednn`): the frozen fp32 weights held again, reordered for oneDNN. The
-    base's linear weights twice (W, and Wᵀ for the input gradient), which with an NF4 base replace
-    `nf4_dequantize_once`'s dense copy (so once more than it); the LM head twice; the `merged_rollout` copy's linear
-    weights and head once (it has no backward). `(whole model, one decoder layer)`; 0 when off. With an NF4 base the
+def onednn_bytes(shape: ModelShape, s: MemorySettings, engine: str = "multi-adapter") -> tuple[int, int]:
+    """`onednn_matmuls` (`marlhf_edu.loading.onednn`): the frozen fp32 weights held again, reordered for oneDNN.
+    `(whole model, one decoder layer)`; 0 when off. Either engine: the `merged_rollout` copy's linear weights and
+    head once (it has no backward).
+
+    multi-adapter: the base's linear weights twice (W, and Wᵀ for the input gradient), which with an NF4 base
+    replace `nf4_dequantize_once`'s dense copy (so once more than it); the LM head twice. With an NF4 base the
     plan's "4-bit layers dequantized once" line still counts the first of the two reordered copies (W), this term
-    the second (Wᵀ): the sum is what the layers hold."""
+    the second (Wᵀ): the sum is what the layers hold.
+
+    four-model: the reference's linear weights and LM head, the reward model's linear weights (its LoRA's too,
+    unless merged) and score head, each once (no gradient flows through either); the actor and critic keep their
+    own products."""
     if not s.onednn_matmuls:
         return 0, 0
     linear = sum(a * b for a, b in shape.linear_shapes().values()) * DTYPE_BYTES["float32"]
-    layer = linear * (1 if s.load_in_4bit and s.nf4_dequantize_once else 2) + (linear if s.merged_rollout else 0)
-    head = shape.vocab_size * shape.hidden_size * DTYPE_BYTES["float32"] * (3 if s.merged_rollout else 2)
-    return shape.num_layers * layer + head, layer
+    head = shape.vocab_size * shape.hidden_size * DTYPE_BYTES["float32"]
+    copy_layer, copy_head = (linear, head) if s.merged_rollout else (0, 0)
+    if engine == "four-model":
+        reward_lora = 0 if s.merged_reward else lora_params(shape, s.reward_lora_r, s.reward_targets)
+        layer = 2 * linear + reward_lora * DTYPE_BYTES["float32"] + copy_layer
+        return shape.num_layers * layer + head + shape.hidden_size * DTYPE_BYTES["float32"] + copy_head, layer
+    layer = linear * (1 if s.load_in_4bit and s.nf4_dequantize_once else 2) + copy_layer
+    return shape.num_layers * layer + 2 * head + copy_head, layer
 
 
 def _add_rollout_copy(parts: dict, per_model: dict, per_layer: dict, shape: ModelShape, s: MemorySettings) -> None:
@@ -383,6 +394,14 @@ def _add_rollout_copy(parts: dict, per_model: dict, per_layer: dict, shape: Mode
         parts["weights"] += copy
         per_layer["weights"] += layer_weight_bytes(shape, replace(s, load_in_4bit=False))
         per_model["rollout copy (merged)"] = copy
+
+
+def _add_reordered(parts: dict, per_model: dict, per_layer: dict, reordered: int, reordered_layer: int) -> None:
+    if reordered:
+        parts["weights"] += reordered
+        per_layer["weights"] += reordered_layer
+        per_model["weights reordered for oneDNN"] = reordered
+
 
 PARTS = ("weights", "adapters", "gradients", "optimizer", "kv_cache", "logits", "activations")
 STATE_PARTS = ("weights", "adapters", "gradients", "optimizer")
@@ -496,6 +515,7 @@ def plan_four_model(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
     parts["activations"] = act.pop("activations")
     if s.policy_lora_r > 0:  # a fully trained actor already samples from dense weights (the engine refuses both)
         _add_rollout_copy(parts, per_model, per_layer, shape, s)
+    _add_reordered(parts, per_model, per_layer, *onednn_bytes(shape, s, "four-model"))
     return MemoryPlan("four-model", shape, s, parts, per_model, per_layer, n, **act)
 
 
@@ -533,11 +553,7 @@ def plan_multi_adapter(shape: ModelShape, s: MemorySettings) -> MemoryPlan:
         parts["weights"] += dense
         per_layer["weights"] += dense_layer
         per_model["4-bit layers dequantized once"] = dense
-    reordered, reordered_layer = onednn_bytes(shape, s)
-    if reordered:
-        parts["weights"] += reordered
-        per_layer["weights"] += reordered_layer
-        per_model["weights reordered for oneDNN"] = reordered
+    _add_reordered(parts, per_model, per_layer, *onednn_bytes(shape, s))
     return MemoryPlan(f"MA-PPO ({s.value_mode})", shape, s, parts, per_model, per_layer, n, **act)
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from marlhf_edu.errors import ConfigError
 from marlhf_edu.loading.adapters import RewardAdapter, check_pad_token, check_same_vocabulary
 from marlhf_edu.loading.models import load_reward_model
+from marlhf_edu.loading.onednn import use_onednn
 from marlhf_edu.loading.quiet import quiet_loading
 from marlhf_edu.loading.sources import align_pad, load_tokenizer, resolve_model, resolve_zoo
 from marlhf_edu.math.logprobs import entropy_from_logits, logprobs_from_logits
@@ -37,6 +38,11 @@ from marlhf_edu.math.scoring import position_ids_from_mask, sequence_scores
 from marlhf_edu.ppo.checkpointing import checkpointed, enable_checkpointing
 from marlhf_edu.ppo.merged_rollout import MergedPolicy, SampledLogprobs
 from marlhf_edu.ppo.token_draw import TOKEN_DRAWS
+
+
+#: why `old_logprobs: sampler` is refused here (`check_config`, `sampler_value_head`)
+SAMPLER_NEEDS_SHARED_HEAD = ("old_logprobs: sampler reads the values from the sampler's hidden states: it needs "
+                             "critic: shared_head (a separate critic runs its own backbone for them)")
 
 
 def response_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_response: int,
@@ -208,12 +214,24 @@ class PPOBackend:
         also the (B, R) log-probs each new token was drawn with (`sample`, which `draw` is passed to)."""
         raise NotImplementedError
 
+    def sampler_value_head(self) -> nn.Linear:
+        """The value head that reads the policy's last hidden state, which the sampler computes while decoding
+        (`generate_with_outputs`). A critic with a backbone of its own needs a forward of its own: ConfigError."""
+        raise ConfigError(f"{type(self).__name__} cannot read values while sampling; use old_logprobs: recompute")
+
+    @torch.no_grad()
     def generate_with_outputs(self, input_ids, attention_mask, *, max_new_tokens: int, temperature: float,
                               top_k: int = 0, top_p: float = 1.0, draw: str = "multinomial"):
         """`(ids, logprobs, values, entropy)`: `generate`'s ids and, recorded while decoding, what the rollout's
         no-grad `policy_forward` would return for them, each (B, R): the log-prob each token was drawn with, the
-        value of the state it was drawn in, the entropy it was drawn from (`PPOConfig.old_logprobs: sampler`)."""
-        raise ConfigError(f"{type(self).__name__} cannot read values while sampling; use old_logprobs: recompute")
+        value of the state it was drawn in (the value head on the (B, R, H) hidden state each token was drawn
+        from), the entropy it was drawn from (`PPOConfig.old_logprobs: sampler`)."""
+        head = self.sampler_value_head()
+        ids, logprobs, entropy, hidden = sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask,
+                                                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                                top_p=top_p, draw=draw, with_outputs=True)
+        values = head(hidden.to(head.weight.dtype)).squeeze(-1)
+        return ids, logprobs, values, entropy
 
     def policy_forward(self, input_ids, attention_mask, n_response: int, temperature: float,
                        with_entropy: bool = False):
@@ -327,13 +345,8 @@ class FourModelBackend(PPOBackend):
 
     @classmethod
     def check_config(cls, config) -> None:
-        if config.old_logprobs == "sampler":
-            raise ConfigError("old_logprobs: sampler reads the values from the sampler's hidden states, a multi-adapter "
-                              "option (value_mode: shared); the four-model engine recomputes them (old_logprobs: "
-                              "recompute)")
-        if config.onednn_matmuls:
-            raise ConfigError("onednn_matmuls is a multi-adapter option (one frozen base under every adapter); the "
-                              "four-model engine trains its actor's and critic's own weights")
+        if config.old_logprobs == "sampler" and config.critic != "shared_head":
+            raise ConfigError(SAMPLER_NEEDS_SHARED_HEAD)
         if config.merged_rollout and config.actor_lora_r == 0:
             raise ConfigError("merged_rollout needs a LoRA policy (actor_lora_r > 0): a fully fine-tuned actor already "
                               "samples from dense weights")
@@ -382,6 +395,9 @@ class FourModelBackend(PPOBackend):
         reward, reward_tokenizer = load_reward_model(reward_base, adapter)
         if config.merged_reward:  # its own fp32 copy of the base: W + BA once, not x·W + x·A·B at every scoring
             reward = reward.merge_and_unload().eval()
+        if config.onednn_matmuls:  # the two frozen models: every product through oneDNN, no gradient through them;
+            for frozen in (reference, reward):  # the actor and critic train their weights (a merged copy: the trainer)
+                use_onednn(frozen, backward=False)
         return cls(actor, critic, reference, reward.to(device), tokenizer, reward_tokenizer)
 
     def models(self):
@@ -405,6 +421,11 @@ class FourModelBackend(PPOBackend):
 
     def generate(self, input_ids, attention_mask, **sampling):
         return sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask, **sampling)
+
+    def sampler_value_head(self):
+        if not self.shared_head:
+            raise ConfigError(SAMPLER_NEEDS_SHARED_HEAD)
+        return self.critic
 
     def export_policy(self, out_dir):
         self.actor.save_pretrained(str(out_dir))  # a peft actor writes its adapter, a full actor the whole model

@@ -47,6 +47,11 @@ from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
 VALUE_MODES = ("shared", "adapter")
 
 
+#: why `old_logprobs: sampler` is refused here (`check_config`, `sampler_value_head`)
+SAMPLER_NEEDS_SHARED_VALUE = ("old_logprobs: sampler reads the values from the sampler's hidden states: it needs "
+                              "value_mode: shared (value_mode: adapter runs its own forward for them)")
+
+
 def _check_value_options(value_mode: str, critic_init: str) -> None:
     if value_mode not in VALUE_MODES:
         raise ConfigError(f"value_mode must be one of {VALUE_MODES}, got {value_mode!r}")
@@ -115,8 +120,7 @@ class MultiAdapterBackend(PPOBackend):
                               "merged_rollout: true")
         _check_value_options(config.value_mode, config.critic_init)
         if config.old_logprobs == "sampler" and config.value_mode != "shared":
-            raise ConfigError("old_logprobs: sampler reads the values from the sampler's hidden states: it needs "
-                              "value_mode: shared (value_mode: adapter runs its own forward for them)")
+            raise ConfigError(SAMPLER_NEEDS_SHARED_VALUE)
 
     @classmethod
     def resolve_reward(cls, config) -> RewardAdapter:
@@ -211,15 +215,10 @@ class MultiAdapterBackend(PPOBackend):
     def generate(self, input_ids, attention_mask, **sampling):
         return sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask, **sampling)
 
-    @torch.no_grad()
-    def generate_with_outputs(self, input_ids, attention_mask, **sampling):
+    def sampler_value_head(self):
         if self.value_mode != "shared":
-            raise ConfigError("generate_with_outputs reads the value head on the sampler's hidden states: it needs "
-                              "value_mode: shared")
-        ids, logprobs, entropy, hidden = sample(self.sampling_model(), self.tokenizer, input_ids, attention_mask,
-                                                with_outputs=True, **sampling)
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
-        return ids, logprobs, values, entropy
+            raise ConfigError(SAMPLER_NEEDS_SHARED_VALUE)
+        return self.value_head
 
     def lora_policy(self):
         return self.model, "policy"

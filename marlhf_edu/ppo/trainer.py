@@ -172,8 +172,8 @@ def cuts_policy_forwards(micro_batch_size: int, device: torch.device) -> bool:
 def splits_no_grad_forwards(device: torch.device) -> bool:
     """Whether the rollout's reward-model and reference forwards take the policy's rows per forward (a micro-batch
     of the sorted chunk, packed) rather than a whole chunk. On a CPU the narrower forwards are faster (the tiny
-    model's reference phase, benchmarks/speed_vs_trl_amd_epyc_avx512bf16.json against its _at_659a7c1 record;
-    rows of like length pad less, and the rest was not profiled). A GPU keeps the whole chunk in one forward."""
+    model's reference phase, benchmarks/speed_vs_trl_amd_epyc_avx512bf16_at_7e372e7.json against the _at_659a7c1
+    record; rows of like length pad less, and the rest was not profiled). A GPU keeps the whole chunk in one forward."""
     return torch.device(device).type == "cpu"
 
 
