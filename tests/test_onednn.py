@@ -203,7 +203,9 @@ def test_onednn_matmuls_is_a_cpu_fp32_option(tmp_path):
 
 FOUR_MODEL_CASES = [dict(critic="shared_head", actor_lora_r=0),  # a fully trained actor, the reward LoRA unmerged
                     dict(critic="separate", actor_lora_r=8, actor_lora_alpha=16, merged_rollout=True,
-                         merged_reward=True)]
+                         merged_reward=True),
+                    # the critic starts as a copy of the reward model: its own weights, trained, never reordered
+                    dict(critic="separate", actor_lora_r=0, critic_init="reward_model")]
 
 
 def _four_model_trainer(tmp_path, flag, **overrides):
@@ -246,3 +248,47 @@ def test_a_four_model_step_through_onednn_matches_and_reorders_only_the_frozen_m
                        merged_rollout=overrides.get("merged_rollout", False),
                        merged_reward=overrides.get("merged_reward", False), onednn_matmuls=True)
     assert held[True] - held[False] == onednn_bytes(shape, s, "four-model")[0] > 0
+
+
+def test_the_options_that_assume_fp32_refuse_a_model_loaded_in_bf16(tmp_path):
+    """transformers loads a checkpoint saved in bf16 as bf16: old_logprobs: sampler and onednn_matmuls (fp32
+    arithmetic) refuse it by the model's name, in both engines; fp32 checkpoints pass."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from marlhf_edu.errors import ConfigError
+    from marlhf_edu.ppo import FourModelBackend, PPOConfig
+    from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
+
+    bf16 = tmp_path / "sft_bf16"
+    AutoModelForCausalLM.from_pretrained(str(SFT_DIR), dtype=torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(str(SFT_DIR)).save_pretrained(bf16)
+    from marlhf_edu.loading.assets import REWARD_ADAPTER_DIR
+
+    common = dict(output_dir=str(tmp_path / "run"), device="cpu", sft_model_path=str(bf16),
+                  reward_adapter_path=str(REWARD_ADAPTER_DIR), reward_base_path=str(SFT_DIR))
+    with pytest.raises(ConfigError, match="the actor holds bfloat16"):
+        FourModelBackend.from_config(PPOConfig(critic="shared_head", old_logprobs="sampler", **common))
+    with pytest.raises(ConfigError, match="onednn_matmuls needs fp32 weights"):
+        FourModelBackend.from_config(PPOConfig(onednn_matmuls=True, **common))
+    FourModelBackend.from_config(PPOConfig(**common))  # neither option: bf16 weights are the user's choice
+    with pytest.raises(ConfigError, match="the base holds bfloat16"):
+        # the reward adapter was trained on this very model, saved in fp32: named as its base
+        MultiAdapterBackend.from_config(PPOConfig(onednn_matmuls=True, **{**common, "reward_base_path": str(bf16)}))
+
+
+def test_the_planner_counts_no_merged_copy_for_a_fully_trained_four_model_actor():
+    """A fully trained four-model actor samples from its own dense weights: `merged_rollout` (refused by the engine,
+    not by the planner's settings) adds no reordered copy; a LoRA actor's copy is counted."""
+    from dataclasses import replace
+
+    from marlhf_edu.memory.plan import MemorySettings, ModelShape, onednn_bytes
+
+    shape = ModelShape.resolve(str(SFT_DIR))
+    full = MemorySettings(policy_lora_r=0, value_lora_r=0, critic="shared_head", onednn_matmuls=True)
+    assert onednn_bytes(shape, replace(full, merged_rollout=True), "four-model") == onednn_bytes(shape, full,
+                                                                                                  "four-model")
+    lora = replace(full, policy_lora_r=8, value_lora_r=8)
+    assert (onednn_bytes(shape, replace(lora, merged_rollout=True), "four-model")[0]
+            > onednn_bytes(shape, lora, "four-model")[0])
+    with pytest.raises(ValueError, match="engine must be"):
+        onednn_bytes(shape, full, "four_model")

@@ -424,6 +424,7 @@ FOUR = dict(critic="shared_head")
     (MultiAdapterBackend, dict(MA, merged_rollout=True, rollout_cache="static")),  # prompts padded further, cut again
     (MultiAdapterBackend, dict(MA, merged_rollout=True, merged_reward=True)),  # the copy holds the reward adapter
     (FourModelBackend, dict(FOUR, merged_rollout=True)),  # a LoRA actor's merged copy, the head on the actor
+    (FourModelBackend, dict(FOUR)),  # a LoRA actor decoding itself
     (FourModelBackend, dict(FOUR, actor_lora_r=0)),  # a fully trained actor decoding itself
 ])
 def test_the_sampler_records_what_the_policy_forward_would_give(tmp_path, prompts, backend_cls, overrides):

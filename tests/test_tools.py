@@ -124,3 +124,57 @@ def test_every_setting_compare_trl_times_is_a_config_its_engine_accepts(tmp_path
         backends[command].check_config(config.validate())
         if label.endswith("CPU options"):
             assert (config.old_logprobs, config.onednn_matmuls, config.token_draw) == ("sampler", True, "inverse_cdf")
+
+
+def _speed_targets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("speed_targets", TOOLS / "speed_targets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_speed_targets_names_the_cpu_kind_by_its_widest_vector_set():
+    module = _speed_targets()
+
+    def cpuinfo(name, flags):
+        return f"processor\t: 0\nmodel name\t: {name}\nflags\t\t: {flags}\n\nprocessor\t: 1\nmodel name\t: x\n"
+
+    assert module.cpu_kind(cpuinfo("AMD EPYC 7B13", "fpu sse avx avx2 fma")) == "amd_epyc_avx2"
+    assert module.cpu_kind(cpuinfo("Intel(R) Xeon(R) Processor", "avx2 avx512f avx512bw")) == "intel_xeon_avx512"
+    assert module.cpu_kind(cpuinfo("AMD EPYC 9R14", "avx2 avx512f avx512_bf16")) == "amd_epyc_avx512bf16"
+    assert module.cpu_kind(cpuinfo("Some Other CPU 3", "sse sse2")) == "some_other_sse"
+    assert module.record_suffix("amd_epyc_avx512bf16", "avx2") == "amd_epyc_avx512bf16_as_avx2"
+    assert module.record_suffix("intel_xeon_avx512", "native") == "intel_xeon_avx512"
+    with pytest.raises(ValueError, match="no 'flags' line"):
+        module.cpu_kind("model name : ARM\n")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        module.record_suffix("x", "avx10")
+
+
+def test_speed_targets_judges_each_target_by_its_rule():
+    """The trl targets by the median of the CPU-options rows, SmolLM2 by every round."""
+    module = _speed_targets()
+    speed = {"summary": [
+        {"case": "lora", "label": "LoRA, merged_rollout", "trl_s_over_ours_s": [2.0], "median_trl_s_over_ours_s": 2.0},
+        {"case": "lora", "label": "LoRA, CPU options", "trl_s_over_ours_s": [1.2, 1.04, 1.06],
+         "median_trl_s_over_ours_s": 1.06},
+        {"case": "full", "label": "shared head, CPU options", "trl_s_over_ours_s": [0.99, 0.98, 1.2],
+         "median_trl_s_over_ours_s": 0.99}]}
+    smollm2 = {"ratios": {"shipped_over_7b49006": [0.55, 0.61, 0.58]}}
+    got = {v["target"]: v for v in module.verdicts(speed, smollm2)}
+    assert got["tiny LoRA MA-PPO, CPU options"]["met"] and got["tiny LoRA MA-PPO, CPU options"]["median"] == 1.06
+    assert not got["tiny four-model, CPU options"]["met"]
+    assert not got["SmolLM2, shipped config"]["met"]  # one round of three above 0.6
+    smollm2["ratios"]["shipped_over_7b49006"][1] = 0.6
+    assert {v["target"]: v for v in module.verdicts(speed, smollm2)}["SmolLM2, shipped config"]["met"]
+
+
+def test_speed_targets_never_overwrites_a_record(tmp_path, monkeypatch):
+    module = _speed_targets()
+    kind = module.cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    (tmp_path / f"speed_vs_trl_{kind}_as_avx2.json").write_text("{}")
+    monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: pytest.fail("ran something before refusing"))
+    with pytest.raises(SystemExit, match="exists; move it aside"):
+        module.main(["--trl-python", "python", "--kernels", "avx2", "--out-dir", str(tmp_path)])

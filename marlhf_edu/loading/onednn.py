@@ -1,4 +1,4 @@
-"""Frozen fp32 weights multiplied by oneDNN, reordered once: a LoRA run's products on a CPU.
+"""Frozen fp32 weights multiplied by oneDNN, reordered once: a CPU run's products with frozen weights.
 
 On an x86 CPU build of torch (the book's torch 2.13.0+cpu), an fp32 `F.linear(x, W)` goes to MKL's sgemm. oneDNN,
 a second matrix library in the same wheel (`torch.ops.mkldnn`), multiplies fastest from a weight reordered into its
@@ -24,7 +24,8 @@ Memory: each reordered weight is a second copy, two (W and Wᵀ) where a backwar
 a later torch drops them, `available()` is False and the config refuses `onednn_matmuls`; if it changes them, the
 tests fail.
 
-The config switch is `onednn_matmuls` (multi-adapter PPO on a CPU); chapter 09 measures it.
+The config switch is `onednn_matmuls` (a CPU, fp32): multi-adapter PPO's base, LM head and merged copy; four-model
+PPO's reference and reward model (no gradient through either) and merged copy. Chapter 09 measures it.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def use_onednn(model: nn.Module, backward: bool = True) -> int:
     """Every plain `nn.Linear` of `model` multiplies through a reordered copy of its weight whenever that weight is
     frozen (trainable ones, a LoRA adapter's or a value head's, keep `F.linear`); returns how many were patched.
 
-    `backward=False` reorders no transpose: for a model no gradient flows through (a sampling copy). 4-bit layers
+    `backward=False` reorders no transpose: for a model no gradient flows through (a sampling copy, a four-model
+    reference or reward model). 4-bit layers
     are `quantization.dequantize_once`'s to route (its `onednn` flag)."""
     if not available():
         raise RuntimeError("onednn_matmuls: this torch build has no oneDNN linear product (torch.ops.mkldnn)")

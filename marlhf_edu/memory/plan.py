@@ -375,11 +375,15 @@ def onednn_bytes(shape: ModelShape, s: MemorySettings, engine: str = "multi-adap
     four-model: the reference's linear weights and LM head, the reward model's linear weights (its LoRA's too,
     unless merged) and score head, each once (no gradient flows through either); the actor and critic keep their
     own products."""
+    if engine not in ("multi-adapter", "four-model"):
+        raise ValueError(f"onednn_bytes: engine must be 'multi-adapter' or 'four-model', got {engine!r}")
     if not s.onednn_matmuls:
         return 0, 0
     linear = sum(a * b for a, b in shape.linear_shapes().values()) * DTYPE_BYTES["float32"]
     head = shape.vocab_size * shape.hidden_size * DTYPE_BYTES["float32"]
-    copy_layer, copy_head = (linear, head) if s.merged_rollout else (0, 0)
+    # a fully trained four-model actor has no merged copy (`plan_four_model` plans none)
+    has_copy = s.merged_rollout and (engine == "multi-adapter" or s.policy_lora_r > 0)
+    copy_layer, copy_head = (linear, head) if has_copy else (0, 0)
     if engine == "four-model":
         reward_lora = 0 if s.merged_reward else lora_params(shape, s.reward_lora_r, s.reward_targets)
         layer = 2 * linear + reward_lora * DTYPE_BYTES["float32"] + copy_layer

@@ -39,8 +39,8 @@ from marlhf_edu.loading.sources import (adapter_fits, align_pad, load_tokenizer,
                                         same_model_path)
 from marlhf_edu.math.masked import last_valid_index
 from marlhf_edu.math.scoring import position_ids_from_mask
-from marlhf_edu.ppo.backends import (PPOBackend, head_logits, response_logprobs, response_values, sample, split_causal_lm,
-                                     value_head)
+from marlhf_edu.ppo.backends import (PPOBackend, head_logits, require_fp32, response_logprobs, response_values,
+                                     sample, split_causal_lm, value_head)
 from marlhf_edu.ppo.checkpointing import enable_checkpointing
 from marlhf_edu.ppo.config import DEFAULT_ADAPTER_RANK
 
@@ -150,6 +150,10 @@ class MultiAdapterBackend(PPOBackend):
             base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(sft), **kwargs), tokenizer)
         if not kwargs:
             base = base.to(device)
+        fp32_options = [o for o, on in (("old_logprobs: sampler", config.old_logprobs == "sampler"),
+                                        ("onednn_matmuls", config.onednn_matmuls)) if on]
+        if fp32_options:
+            require_fp32({"base": base}, " and ".join(fp32_options))
         if config.nf4_dequantize_once:
             dequantize_once(base, onednn=config.onednn_matmuls)
         if config.onednn_matmuls:  # the base's plain linears (the LM head; every layer of a dense base), adapters not yet on

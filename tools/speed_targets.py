@@ -1,0 +1,168 @@
+"""The CPU speed targets on this machine in one command: this engine against trl 0.11.4 on the tiny work, and the
+shipped SmolLM2 config against the engine at commit 7b49006, each measured side by side, records named after the CPU.
+
+    python tools/speed_targets.py --trl-python trl011/bin/python [--kernels native|avx2|avx512] [--rounds 3]
+
+1. `tools/compare_trl.py --steps 10 --repeats 3` → `benchmarks/speed_vs_trl_<cpu>.json` (every case, trl between).
+2. For each of `--rounds` rounds, in turn: commit 7b49006 (a temporary `git worktree`, its own
+   `configs/smollm2/ma_ppo.yaml` and `tools/bench_step.py`) and this checkout's shipped config, a 3-step run each
+   (`tools/bench_step.py --steps 3 --skip 1`) → `benchmarks/smollm2_step_side_by_side_<cpu>.json`.
+3. Prints each target against what was measured:
+
+       tiny LoRA MA-PPO, CPU options      trl ÷ ours ≥ 1.05   (median of the repeats; the lowest shown)
+       tiny four-model, CPU options       trl ÷ ours ≥ 1.0
+       SmolLM2, shipped config            ours ÷ 7b49006 ≤ 0.6 (every round)
+
+`<cpu>` is the vendor and the widest vector extension `/proc/cpuinfo` lists: `amd_epyc_avx2`,
+`intel_xeon_avx512`, `amd_epyc_avx512bf16`, ... With `--kernels avx2` or `avx512`, PyTorch's, oneDNN's and MKL's
+kernels are held to that set (`KERNEL_ENV`) and the records are named `<cpu>_as_avx2` / `<cpu>_as_avx512`: an
+emulation of a CPU kind's instruction set on this machine, not of its clock, caches or memory. "CPU options" are
+`compare_trl.CPU_OPTIONS`. The machine should be otherwise idle. On the 2-core AMD EPYC with AVX512-BF16 the
+two parts took about 9 minutes (the comparison) and 2 minutes a round; an AVX2-only CPU of that family ran the
+engine at 7b49006 about 2.5 times slower. Not part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BASELINE = "7b49006"
+SMOLLM2_CONFIG = "configs/smollm2/ma_ppo.yaml"
+#: kernels held to an instruction set: PyTorch's own (ATen), oneDNN's, MKL's
+KERNEL_ENV = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+}
+#: target name → (the compare_trl case, the least trl ÷ ours); the SmolLM2 target is SMOLLM2_TARGET
+TRL_TARGETS = {"tiny LoRA MA-PPO, CPU options": ("lora", 1.05), "tiny four-model, CPU options": ("full", 1.0)}
+SMOLLM2_TARGET = 0.6
+
+
+def cpu_kind(cpuinfo: str) -> str:
+    """`<vendor>_<widest vector set>` of a `/proc/cpuinfo` text, e.g. `amd_epyc_avx512bf16`, `intel_xeon_avx2`."""
+    name, flags = "", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not name:
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    if not flags:
+        raise ValueError("cpu_kind: no 'flags' line in the CPU description (is this /proc/cpuinfo of an x86 CPU?)")
+    lowered = name.lower()
+    vendor = ("amd_epyc" if "epyc" in lowered else "intel_xeon" if "xeon" in lowered else
+              "_".join("".join(c if c.isalnum() else " " for c in lowered).split()[:2]) or "cpu")
+    widest = ("avx512bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else
+              "avx2" if "avx2" in flags else "sse")
+    return f"{vendor}_{widest}"
+
+
+def record_suffix(kind: str, kernels: str) -> str:
+    if kernels not in KERNEL_ENV:
+        raise ValueError(f"kernels must be one of {sorted(KERNEL_ENV)}, got {kernels!r}")
+    return kind if kernels == "native" else f"{kind}_as_{kernels}"
+
+
+def verdicts(speed: dict, smollm2: dict) -> list[dict]:
+    """Each target against the records: `speed` (compare_trl's) and `smollm2` (`side_by_side`'s)."""
+    out = []
+    for name, (case, least) in TRL_TARGETS.items():
+        row = next(s for s in speed["summary"] if s["case"] == case and s["label"].endswith("CPU options"))
+        out.append({"target": name, "wanted": f"trl ÷ ours ≥ {least}", "median": row["median_trl_s_over_ours_s"],
+                    "each": row["trl_s_over_ours_s"], "met": row["median_trl_s_over_ours_s"] >= least})
+    ratios = smollm2["ratios"]["shipped_over_7b49006"]
+    out.append({"target": "SmolLM2, shipped config", "wanted": f"ours ÷ {BASELINE} ≤ {SMOLLM2_TARGET}",
+                "median": sorted(ratios)[len(ratios) // 2], "each": ratios,
+                "met": all(r <= SMOLLM2_TARGET for r in ratios)})
+    return out
+
+
+def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: str) -> dict:
+    """`rounds` rounds of the SmolLM2 step, the engine at 7b49006 then this checkout's, each a fresh process."""
+    runs = []
+    for round_ in range(1, rounds + 1):
+        for engine, root in ((BASELINE, baseline_dir), ("shipped", ROOT)):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = pathlib.Path(tmp) / "step.json"
+                subprocess.run([sys.executable, str(root / "tools" / "bench_step.py"), "--command", "ma-ppo",
+                                "--config", str(root / SMOLLM2_CONFIG), "--steps", "3", "--skip", "1", "--out",
+                                str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                               env={**env, "PYTHONPATH": str(root)})
+                step = json.loads(out.read_text())
+            print(f"  SmolLM2 round {round_}, {engine}: {step['step_s']:.1f} s a step", flush=True)
+            runs.append({"kernels": kernels, "round": round_, "engine": engine,
+                         **{k: step[k] for k in ("step_s", "phases_s", "response_length", "generate_tokens_per_s",
+                                                 "steps_averaged", "fp32_products", "per_step", "measured_on",
+                                                 "machine")}})
+    ratios = [round(runs[i + 1]["step_s"] / runs[i]["step_s"], 4) for i in range(0, len(runs), 2)]
+    return {"runs": runs, "ratios": {"shipped_over_7b49006": ratios}}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trl-python", required=True, help="python of the trl 0.11.4 environment (compare_trl.py)")
+    parser.add_argument("--kernels", choices=sorted(KERNEL_ENV), default="native")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "benchmarks")
+    args = parser.parse_args(argv)
+
+    kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    suffix = record_suffix(kind, args.kernels)
+    speed_out = args.out_dir / f"speed_vs_trl_{suffix}.json"
+    smollm2_out = args.out_dir / f"smollm2_step_side_by_side_{suffix}.json"
+    for path in (speed_out, smollm2_out):
+        if path.exists():  # a record is evidence: never overwritten
+            sys.exit(f"speed_targets: {path} exists; move it aside (e.g. to a name ending _at_<commit>) first")
+    env = {**os.environ, **KERNEL_ENV[args.kernels], "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore",
+           "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    env_words = " ".join(f"{k}={v}" for k, v in KERNEL_ENV[args.kernels].items())
+    print(f"CPU kind {kind}, kernels {args.kernels}: records {speed_out.name}, {smollm2_out.name}", flush=True)
+
+    print("1. this engine against trl 0.11.4 (tools/compare_trl.py)", flush=True)
+    subprocess.run([sys.executable, str(ROOT / "tools" / "compare_trl.py"), "--trl-python", args.trl_python,
+                    "--steps", "10", "--repeats", str(args.repeats), "--out", str(speed_out)],
+                   check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    speed = json.loads(speed_out.read_text())
+    speed.update(cpu_kind=kind, kernels=args.kernels, date=time.strftime("%Y-%m-%d"),
+                 command=f"{env_words + ' ' if env_words else ''}python tools/compare_trl.py --trl-python "
+                         f"{args.trl_python} --steps 10 --repeats {args.repeats} --out {speed_out} (tools/speed_targets.py)")
+    speed_out.write_text(json.dumps(speed, indent=1) + "\n")
+
+    print(f"2. SmolLM2: {BASELINE} and the shipped config in turn, {args.rounds} rounds", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline_dir = pathlib.Path(tmp) / BASELINE
+        subprocess.run(["git", "worktree", "add", "--detach", str(baseline_dir), BASELINE], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            measured = side_by_side(baseline_dir, args.rounds, env, args.kernels)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(baseline_dir)], cwd=ROOT, check=False)
+    smollm2 = {"what": f"seconds per MA-PPO step of SmolLM2-135M (NF4 base), mean of steps 2-3 of 3-step runs, "
+                       f"{BASELINE} and the shipped config in turn each round",
+               "engines": {BASELINE: f"commit {BASELINE} with its own {SMOLLM2_CONFIG}",
+                           "shipped": f"this checkout with {SMOLLM2_CONFIG} as shipped"},
+               "cpu_kind": kind, "kernels": args.kernels, "date": time.strftime("%Y-%m-%d"),
+               "command": f"{env_words + ' ' if env_words else ''}python tools/speed_targets.py --trl-python "
+                          f"{args.trl_python} --kernels {args.kernels} --rounds {args.rounds}",
+               **measured}
+    smollm2_out.write_text(json.dumps(smollm2, indent=1) + "\n")
+
+    print("3. the targets", flush=True)
+    for v in verdicts(speed, smollm2):
+        each = ", ".join(f"{x:.2f}" for x in v["each"])
+        print(f"  {v['target']:32s} {v['wanted']:24s} {v['median']:.2f} ({each})  {'met' if v['met'] else 'NOT met'}")
+    print(f"(kernels {args.kernels}; records {speed_out}, {smollm2_out}; add them to benchmarks/README.md)")
+
+
+if __name__ == "__main__":
+    main()
