@@ -45,10 +45,16 @@ SAMPLER_NEEDS_SHARED_HEAD = ("old_logprobs: sampler reads the values from the sa
                              "critic: shared_head (a separate critic runs its own backbone for them)")
 
 
-def require_fp32(models: dict, option: str) -> None:
-    """Refuse, naming the model, any of `models` (name → module) holding floating-point weights other than fp32:
-    `option` (the sampler's numbers standing in for the forward's, oneDNN's fp32 products) assumes fp32 arithmetic,
-    and transformers loads a checkpoint saved in bf16 as bf16 (its `dtype="auto"`). 4-bit weights are not floats."""
+def require_fp32(models: dict, config) -> None:
+    """Refuse, naming the model, any of `models` (name → module) holding floating-point weights other than fp32
+    when `config` turns on an option that assumes fp32 arithmetic (`old_logprobs: sampler`: the sampler's numbers
+    standing in for the forward's; `onednn_matmuls`: oneDNN's fp32 products). transformers loads a checkpoint saved
+    in bf16 as bf16 (its `dtype="auto"`). 4-bit weights are not floats."""
+    options = [o for o, on in (("old_logprobs: sampler", config.old_logprobs == "sampler"),
+                               ("onednn_matmuls", config.onednn_matmuls)) if on]
+    if not options:
+        return
+    option = " and ".join(options)
     for name, model in models.items():
         found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                         if p.is_floating_point() and p.dtype != torch.float32})
@@ -407,10 +413,7 @@ class FourModelBackend(PPOBackend):
         reward, reward_tokenizer = load_reward_model(reward_base, adapter)
         if config.merged_reward:  # its own fp32 copy of the base: W + BA once, not x·W + x·A·B at every scoring
             reward = reward.merge_and_unload().eval()
-        fp32_options = [o for o, on in (("old_logprobs: sampler", config.old_logprobs == "sampler"),
-                                        ("onednn_matmuls", config.onednn_matmuls)) if on]
-        if fp32_options:
-            require_fp32({"actor": actor, "reference": reference, "reward model": reward}, " and ".join(fp32_options))
+        require_fp32({"actor": actor, "reference": reference, "reward model": reward}, config)
         if config.onednn_matmuls:  # the two frozen models: every product through oneDNN, no gradient through them;
             for frozen in (reference, reward):  # the actor and critic train their weights (a merged copy: the trainer)
                 use_onednn(frozen, backward=False)

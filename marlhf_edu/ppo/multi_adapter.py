@@ -150,10 +150,7 @@ class MultiAdapterBackend(PPOBackend):
             base = align_pad(AutoModelForCausalLM.from_pretrained(resolve_model(sft), **kwargs), tokenizer)
         if not kwargs:
             base = base.to(device)
-        fp32_options = [o for o, on in (("old_logprobs: sampler", config.old_logprobs == "sampler"),
-                                        ("onednn_matmuls", config.onednn_matmuls)) if on]
-        if fp32_options:
-            require_fp32({"base": base}, " and ".join(fp32_options))
+        require_fp32({"base": base}, config)
         if config.nf4_dequantize_once:
             dequantize_once(base, onednn=config.onednn_matmuls)
         if config.onednn_matmuls:  # the base's plain linears (the LM head; every layer of a dense base), adapters not yet on
