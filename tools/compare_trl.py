@@ -49,8 +49,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CONFIG = "configs/tiny_ppo.yaml"
 LORA = ["--load_in_4bit", "false", "--value_mode", "shared", "--actor_lora_r", "16", "--actor_lora_alpha", "32"]
-#: the CPU options of configs/smollm2/ma_ppo.yaml that compute the same numbers up to fp32 rounding (chapter 09):
-#: the sampler's own log-probs and values, frozen weights through oneDNN, the inverse-CDF token draw
+#: the CPU options of configs/smollm2/ma_ppo.yaml (chapter 09): the sampler's own log-probs and values and frozen
+#: weights through oneDNN (the same numbers up to fp32 rounding), and the inverse-CDF token draw (the same
+#: distribution from another random stream, so other tokens)
 CPU_OPTIONS = ["--old_logprobs", "sampler", "--onednn_matmuls", "true", "--token_draw", "inverse_cdf"]
 OURS = {  # case → [(label, command, overrides)]
     "full": [("separate critic (chapter 09)", "ppo", []),

@@ -9,17 +9,18 @@ shipped SmolLM2 config against the engine at commit 7b49006, each measured side 
    (`tools/bench_step.py --steps 3 --skip 1`) → `benchmarks/smollm2_step_side_by_side_<cpu>.json`.
 3. Prints each target against what was measured:
 
-       tiny LoRA MA-PPO, CPU options      trl ÷ ours ≥ 1.05   (median of the repeats; the lowest shown)
+       tiny LoRA MA-PPO, CPU options      trl ÷ ours ≥ 1.05   (median of the repeats; each run shown)
        tiny four-model, CPU options       trl ÷ ours ≥ 1.0
        SmolLM2, shipped config            ours ÷ 7b49006 ≤ 0.6 (every round)
 
 `<cpu>` is the vendor and the widest vector extension `/proc/cpuinfo` lists: `amd_epyc_avx2`,
 `intel_xeon_avx512`, `amd_epyc_avx512bf16`, ... With `--kernels avx2` or `avx512`, PyTorch's, oneDNN's and MKL's
-kernels are held to that set (`KERNEL_ENV`) and the records are named `<cpu>_as_avx2` / `<cpu>_as_avx512`: an
-emulation of a CPU kind's instruction set on this machine, not of its clock, caches or memory. "CPU options" are
+kernels are held to that set (`KERNEL_ENV`) and the records are named `<cpu>_as_avx2` / `<cpu>_as_avx512`:
+capped kernels, a CPU kind's instruction set on this machine's clock, caches and memory. "CPU options" are
 `compare_trl.CPU_OPTIONS`. The machine should be otherwise idle. On the 2-core AMD EPYC with AVX512-BF16 the
-two parts took about 9 minutes (the comparison) and 2 minutes a round; an AVX2-only CPU of that family ran the
-engine at 7b49006 about 2.5 times slower. Not part of `make test`.
+two parts took about 9 minutes (the comparison) and 2 minutes a round, on a 2-core Intel Xeon 12 and 3 minutes
+(17 and 5 with AVX2 kernels); an AVX2-only CPU of the EPYC's family ran the engine at 7b49006 about 2.5 times
+slower than the EPYC. Not part of `make test`.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ def main(argv=None):
     env = {**os.environ, **KERNEL_ENV[args.kernels], "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore",
            "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     env_words = " ".join(f"{k}={v}" for k, v in KERNEL_ENV[args.kernels].items())
+
+    def shown(path: pathlib.Path) -> str:  # a record's command names paths from the repository root, as run there
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
     print(f"CPU kind {kind}, kernels {args.kernels}: records {speed_out.name}, {smollm2_out.name}", flush=True)
 
     print("1. this engine against trl 0.11.4 (tools/compare_trl.py)", flush=True)
@@ -135,7 +140,8 @@ def main(argv=None):
     speed = json.loads(speed_out.read_text())
     speed.update(cpu_kind=kind, kernels=args.kernels, date=time.strftime("%Y-%m-%d"),
                  command=f"{env_words + ' ' if env_words else ''}python tools/compare_trl.py --trl-python "
-                         f"{args.trl_python} --steps 10 --repeats {args.repeats} --out {speed_out} (tools/speed_targets.py)")
+                         f"{args.trl_python} --steps 10 --repeats {args.repeats} --out {shown(speed_out)} "
+                         f"(tools/speed_targets.py)")
     speed_out.write_text(json.dumps(speed, indent=1) + "\n")
 
     print(f"2. SmolLM2: {BASELINE} and the shipped config in turn, {args.rounds} rounds", flush=True)
