@@ -14,8 +14,8 @@ and training forward, and the backward's input gradient), the LM head, and the d
 (`tools/bench_matmul.py`), SmolLM2's products ran 1.9-2.3x as fast through oneDNN as through MKL at 992 rows and
 2.8-4.7x at 16 rows (one decode step of 16 samples); with torch, oneDNN and MKL held to AVX2 kernels (an emulation
 of an AVX2-only CPU), 1.2-1.4x and 1.9-2.3x. On a 2-core Intel Xeon (AVX-512, bf16, AMX;
-`benchmarks/matmul_onednn_intel_xeon_avx512bf16.json`) MKL is as fast: 0.98-1.06x, the LM head at 16 rows 1.46x,
-so there the switch gains little.
+`benchmarks/matmul_onednn_intel_xeon_avx512bf16.json`) oneDNN ran at 0.98-1.06x MKL's speed (the LM head at 16
+rows 1.46x): MKL was fast there, oneDNN slower than on the EPYC.
 
 Not bit for bit: oneDNN sums in another order than MKL, so outputs differ in the last bits of fp32 (a relative
 1e-6 or so; `tests/test_onednn.py` states the tolerance), and which kernel runs, so which rounding, depends on the
