@@ -178,3 +178,55 @@ def test_speed_targets_never_overwrites_a_record(tmp_path, monkeypatch):
     monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: pytest.fail("ran something before refusing"))
     with pytest.raises(SystemExit, match="exists; move it aside"):
         module.main(["--trl-python", "python", "--kernels", "avx2", "--out-dir", str(tmp_path)])
+
+
+def test_speed_targets_floor_record_never_overwritten_and_trl_python_needed_otherwise(tmp_path, monkeypatch):
+    module = _speed_targets()
+    kind = module.cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    (tmp_path / f"smollm2_step_floor_{kind}.json").write_text("{}")
+    monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: pytest.fail("ran something before refusing"))
+    with pytest.raises(SystemExit, match="exists; move it aside"):
+        module.main(["--smollm2-floor", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:  # the comparison with trl needs trl's python
+        module.main(["--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+
+
+def test_speed_targets_floor_is_paired_with_the_engines_of_its_own_round(tmp_path, monkeypatch):
+    """Each round's floor is divided by that round's 7b49006 step and divides that round's shipped step."""
+    import json
+
+    module = _speed_targets()
+    baseline = tmp_path / "7b49006"
+    steps = {("floor", 1): 20.0, ("old", 1): 30.0, ("new", 1): 24.0,
+             ("floor", 2): 15.0, ("old", 2): 25.0, ("new", 2): 18.0}
+    rounds = iter([1, 1, 1, 2, 2, 2])
+
+    def fake_run(args, **kwargs):
+        round_, out = next(rounds), pathlib.Path(args[args.index("--out") + 1])
+        if args[1].endswith("bench_floor.py"):
+            out.write_text(json.dumps({"floor_step_s": steps[("floor", round_)], "phases_s": {}, "per_step": [],
+                                       "generate_tokens_per_s": 1.0, "measured_on": "x", "machine": {}}))
+        else:
+            engine = "old" if args[1].startswith(str(baseline)) else "new"
+            out.write_text(json.dumps({"step_s": steps[(engine, round_)], "phases_s": {}, "response_length": 1.0,
+                                       "generate_tokens_per_s": 1.0, "steps_averaged": [2, 3], "fp32_products": "off",
+                                       "per_step": [], "measured_on": "x", "machine": {}}))
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    got = module.side_by_side(baseline, 2, {}, "native", floor=True)
+    assert got["ratios"]["shipped_over_7b49006"] == [0.8, 0.72]
+    assert got["ratios"]["floor_over_7b49006"] == [round(20 / 30, 4), 0.6]
+    assert got["ratios"]["shipped_over_floor"] == [1.2, 1.2]
+    assert [f["round"] for f in got["floors"]] == [1, 2]
+
+
+def test_bench_floor_compares_with_trl_on_the_tiny_work_only():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_floor", TOOLS / "bench_floor.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--work", "smollm2", "--compare", "benchmarks/speed_vs_trl.json"])
+    assert exit_.value.code == 2

@@ -2,6 +2,7 @@
 shipped SmolLM2 config against the engine at commit 7b49006, each measured side by side, records named after the CPU.
 
     python tools/speed_targets.py --trl-python trl011/bin/python [--kernels native|avx2|avx512] [--rounds 3]
+    python tools/speed_targets.py --smollm2-floor [--kernels native|avx2|avx512] [--rounds 3]
 
 1. `tools/compare_trl.py --steps 10 --repeats 3` → `benchmarks/speed_vs_trl_<cpu>.json` (every case, trl between).
 2. For each of `--rounds` rounds, in turn: commit 7b49006 (a temporary `git worktree`, its own
@@ -12,6 +13,12 @@ shipped SmolLM2 config against the engine at commit 7b49006, each measured side 
        tiny LoRA MA-PPO, CPU options      trl ÷ ours ≥ 1.05   (median of the repeats; each run shown)
        tiny four-model, CPU options       trl ÷ ours ≥ 1.0
        SmolLM2, shipped config            ours ÷ 7b49006 ≤ 0.6 (every round)
+
+With `--smollm2-floor` (no `--trl-python`) only step 2 runs, each round first timing the SmolLM2 step's passes alone
+(`tools/bench_floor.py --work smollm2`: bare transformers/peft calls over the padded batch, dense fp32, MKL), then
+the two engines → `benchmarks/smollm2_step_floor_<cpu>.json`: what the 0.6 target leaves beside those passes on this
+machine (floor ÷ 7b49006) and the shipped step against them. Not a strict floor: the engine packs its forwards and
+can multiply by oneDNN.
 
 `<cpu>` is the vendor and the widest vector extension `/proc/cpuinfo` lists: `amd_epyc_avx2`,
 `intel_xeon_avx512`, `amd_epyc_avx512bf16`, ... With `--kernels avx2` or `avx512`, PyTorch's, oneDNN's and MKL's
@@ -87,10 +94,22 @@ def verdicts(speed: dict, smollm2: dict) -> list[dict]:
     return out
 
 
-def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: str) -> dict:
-    """`rounds` rounds of the SmolLM2 step, the engine at 7b49006 then this checkout's, each a fresh process."""
-    runs = []
+def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: str, floor: bool = False) -> dict:
+    """`rounds` rounds of the SmolLM2 step, the engine at 7b49006 then this checkout's, each a fresh process; with
+    `floor`, the step's floor first in each round (`tools/bench_floor.py --work smollm2`)."""
+    runs, floors = [], []
     for round_ in range(1, rounds + 1):
+        if floor:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = pathlib.Path(tmp) / "floor.json"
+                subprocess.run([sys.executable, str(ROOT / "tools" / "bench_floor.py"), "--work", "smollm2",
+                                "--steps", "3", "--skip", "1", "--out", str(out)], check=True, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, env={**env, "PYTHONPATH": str(ROOT)})
+                measured = json.loads(out.read_text())
+            print(f"  SmolLM2 round {round_}, floor: {measured['floor_step_s']:.1f} s a step", flush=True)
+            floors.append({"kernels": kernels, "round": round_,
+                           **{k: measured[k] for k in ("floor_step_s", "phases_s", "generate_tokens_per_s", "per_step",
+                                                       "measured_on", "machine")}})
         for engine, root in ((BASELINE, baseline_dir), ("shipped", ROOT)):
             with tempfile.TemporaryDirectory() as tmp:
                 out = pathlib.Path(tmp) / "step.json"
@@ -104,29 +123,90 @@ def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: st
                          **{k: step[k] for k in ("step_s", "phases_s", "response_length", "generate_tokens_per_s",
                                                  "steps_averaged", "fp32_products", "per_step", "measured_on",
                                                  "machine")}})
-    ratios = [round(runs[i + 1]["step_s"] / runs[i]["step_s"], 4) for i in range(0, len(runs), 2)]
-    return {"runs": runs, "ratios": {"shipped_over_7b49006": ratios}}
+    ratios = {"shipped_over_7b49006": [round(runs[i + 1]["step_s"] / runs[i]["step_s"], 4)
+                                       for i in range(0, len(runs), 2)]}
+    if not floor:
+        return {"runs": runs, "ratios": ratios}
+    ratios["floor_over_7b49006"] = [round(f["floor_step_s"] / runs[2 * i]["step_s"], 4) for i, f in enumerate(floors)]
+    ratios["shipped_over_floor"] = [round(runs[2 * i + 1]["step_s"] / f["floor_step_s"], 4) for i, f in enumerate(floors)]
+    return {"runs": runs, "floors": floors, "ratios": ratios}
+
+
+def run_env(kernels: str) -> tuple[dict, str]:
+    """The environment every measured process runs in, and the kernel caps as words for a record's command."""
+    env = {**os.environ, **KERNEL_ENV[kernels], "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore",
+           "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    return env, " ".join(f"{k}={v}" for k, v in KERNEL_ENV[kernels].items())
+
+
+def with_baseline(measure):
+    """`measure(baseline_dir)` with commit 7b49006 checked out in a temporary `git worktree`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline_dir = pathlib.Path(tmp) / BASELINE
+        subprocess.run(["git", "worktree", "add", "--detach", str(baseline_dir), BASELINE], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            return measure(baseline_dir)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(baseline_dir)], cwd=ROOT, check=False)
+
+
+def smollm2_record(ran: str, kind: str, kernels: str, command: str, measured: dict) -> dict:
+    """A SmolLM2 side-by-side record: what `ran` in turn each round, on which CPU kind and kernels, by which command."""
+    return {"what": f"seconds per MA-PPO step of SmolLM2-135M (NF4 base), mean of steps 2-3 of 3-step runs, {ran} in "
+                    "turn each round",
+            "engines": {BASELINE: f"commit {BASELINE} with its own {SMOLLM2_CONFIG}",
+                        "shipped": f"this checkout with {SMOLLM2_CONFIG} as shipped"},
+            "cpu_kind": kind, "kernels": kernels, "date": time.strftime("%Y-%m-%d"), "command": command, **measured}
+
+
+def smollm2_floor(args, kind: str, suffix: str) -> dict:
+    """`--smollm2-floor`: the step's floor, 7b49006 and the shipped config in turn, `--rounds` rounds."""
+    out = args.out_dir / f"smollm2_step_floor_{suffix}.json"
+    if out.exists():  # a record is evidence: never overwritten
+        sys.exit(f"speed_targets: {out} exists; move it aside (e.g. to a name ending _at_<commit>) first")
+    env, env_words = run_env(args.kernels)
+    print(f"CPU kind {kind}, kernels {args.kernels}: record {out.name}", flush=True)
+    print(f"SmolLM2: the floor, {BASELINE} and the shipped config in turn, {args.rounds} rounds", flush=True)
+    measured = with_baseline(lambda baseline_dir: side_by_side(baseline_dir, args.rounds, env, args.kernels,
+                                                               floor=True))
+    record = smollm2_record("the step's passes alone (tools/bench_floor.py --work smollm2: bare transformers/peft "
+                            f"calls over the padded batch, dense fp32, MKL), {BASELINE} and the shipped config",
+                            kind, args.kernels, f"{env_words + ' ' if env_words else ''}python tools/speed_targets.py "
+                            f"--smollm2-floor --kernels {args.kernels} --rounds {args.rounds}", measured)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    r = measured["ratios"]
+    show = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    print(f"shipped ÷ {BASELINE}: {show(r['shipped_over_7b49006'])}; floor ÷ {BASELINE}: "
+          f"{show(r['floor_over_7b49006'])} (target ≤ {SMOLLM2_TARGET}); shipped ÷ floor: {show(r['shipped_over_floor'])}")
+    print(f"(record {out}; add it to benchmarks/README.md)")
+    return record
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trl-python", required=True, help="python of the trl 0.11.4 environment (compare_trl.py)")
+    parser.add_argument("--trl-python", help="python of the trl 0.11.4 environment (compare_trl.py)")
+    parser.add_argument("--smollm2-floor", action="store_true",
+                        help="only the SmolLM2 part, each round also timing the step's floor (tools/bench_floor.py "
+                             "--work smollm2): benchmarks/smollm2_step_floor_<cpu>.json")
     parser.add_argument("--kernels", choices=sorted(KERNEL_ENV), default="native")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "benchmarks")
     args = parser.parse_args(argv)
+    if not args.smollm2_floor and not args.trl_python:
+        parser.error("--trl-python is required (or --smollm2-floor)")
 
     kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
     suffix = record_suffix(kind, args.kernels)
     speed_out = args.out_dir / f"speed_vs_trl_{suffix}.json"
     smollm2_out = args.out_dir / f"smollm2_step_side_by_side_{suffix}.json"
+    if args.smollm2_floor:
+        return smollm2_floor(args, kind, suffix)
     for path in (speed_out, smollm2_out):
         if path.exists():  # a record is evidence: never overwritten
             sys.exit(f"speed_targets: {path} exists; move it aside (e.g. to a name ending _at_<commit>) first")
-    env = {**os.environ, **KERNEL_ENV[args.kernels], "TQDM_DISABLE": "1", "PYTHONWARNINGS": "ignore",
-           "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-    env_words = " ".join(f"{k}={v}" for k, v in KERNEL_ENV[args.kernels].items())
+    env, env_words = run_env(args.kernels)
 
     def shown(path: pathlib.Path) -> str:  # a record's command names paths from the repository root, as run there
         return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
@@ -145,22 +225,10 @@ def main(argv=None):
     speed_out.write_text(json.dumps(speed, indent=1) + "\n")
 
     print(f"2. SmolLM2: {BASELINE} and the shipped config in turn, {args.rounds} rounds", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        baseline_dir = pathlib.Path(tmp) / BASELINE
-        subprocess.run(["git", "worktree", "add", "--detach", str(baseline_dir), BASELINE], check=True, cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            measured = side_by_side(baseline_dir, args.rounds, env, args.kernels)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(baseline_dir)], cwd=ROOT, check=False)
-    smollm2 = {"what": f"seconds per MA-PPO step of SmolLM2-135M (NF4 base), mean of steps 2-3 of 3-step runs, "
-                       f"{BASELINE} and the shipped config in turn each round",
-               "engines": {BASELINE: f"commit {BASELINE} with its own {SMOLLM2_CONFIG}",
-                           "shipped": f"this checkout with {SMOLLM2_CONFIG} as shipped"},
-               "cpu_kind": kind, "kernels": args.kernels, "date": time.strftime("%Y-%m-%d"),
-               "command": f"{env_words + ' ' if env_words else ''}python tools/speed_targets.py --trl-python "
-                          f"{args.trl_python} --kernels {args.kernels} --rounds {args.rounds}",
-               **measured}
+    measured = with_baseline(lambda baseline_dir: side_by_side(baseline_dir, args.rounds, env, args.kernels))
+    smollm2 = smollm2_record(f"{BASELINE} and the shipped config", kind, args.kernels,
+                             f"{env_words + ' ' if env_words else ''}python tools/speed_targets.py --trl-python "
+                             f"{args.trl_python} --kernels {args.kernels} --rounds {args.rounds}", measured)
     smollm2_out.write_text(json.dumps(smollm2, indent=1) + "\n")
 
     print("3. the targets", flush=True)

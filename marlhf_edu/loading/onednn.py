@@ -12,8 +12,8 @@ A LoRA run multiplies frozen weights in every phase: the base under the adapters
 and training forward, and the backward's input gradient), the LM head, and the dense sampling copy of
 `merged_rollout` (which changes once a step, after the update, and is reordered again). On the 2-core AMD EPYC (AVX512-BF16) of `benchmarks/matmul_onednn_amd_epyc_avx512bf16.json`
 (`tools/bench_matmul.py`), SmolLM2's products ran 1.9-2.3x as fast through oneDNN as through MKL at 992 rows and
-2.8-4.7x at 16 rows (one decode step of 16 samples); with torch, oneDNN and MKL held to AVX2 kernels (an emulation
-of an AVX2-only CPU), 1.2-1.4x and 1.9-2.3x. On a 2-core Intel Xeon (AVX-512, bf16, AMX;
+2.8-4.7x at 16 rows (one decode step of 16 samples); with torch, oneDNN and MKL held to AVX2 kernels on the same
+CPU (capped kernels, not an AVX2-only CPU: its caches and memory stay the EPYC's), 1.2-1.4x and 1.9-2.3x. On a 2-core Intel Xeon (AVX-512, bf16, AMX;
 `benchmarks/matmul_onednn_intel_xeon_avx512bf16.json`) oneDNN ran at 0.98-1.06x MKL's speed (the LM head at 16
 rows 1.46x): MKL was fast there, oneDNN slower than on the EPYC.
 

@@ -42,12 +42,18 @@ class _LabelLogProb(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
+        # (with create_graph the chunks are not computed in place: an out= operation is not differentiable)
+        fp32 = grad.dtype == torch.float32 and not torch.is_grad_enabled()
         # d/dz_v [z_y - lse(z)] = 1[v = y] - softmax(z)_v
         for rows in _row_chunks(logits.shape[0], logits.shape[1]):
-            probs = torch.exp(logits[rows].float() - lse[rows, None])
-            g = -probs * grad_out[rows, None]
+            # fp32 logits: each chunk is computed in grad's own rows, in place (no scratch tensor per operation);
+            # the same operations, so the same numbers
+            z = logits[rows].float()
+            g = torch.sub(z, lse[rows, None], out=grad[rows]) if fp32 else z - lse[rows, None]
+            g.exp_().mul_(-grad_out[rows, None])
             g.scatter_add_(-1, labels[rows, None], grad_out[rows, None].float())
-            grad[rows] = g.to(grad.dtype)
+            if not fp32:
+                grad[rows] = g.to(grad.dtype)
         return grad, None
 
 
