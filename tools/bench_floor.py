@@ -56,19 +56,20 @@ def minibatch_updates(model, value_head, optim, ids, mask, R: int, mini_batch_si
     """One PPO epoch's updates without PPO's arithmetic: per shuffled minibatch, a forward with the graph (the response
     logits and a value head on the hidden states), a stand-in loss, the backward, clipping at `max_grad_norm` (as
     the configs clip, and compare_trl.py has trl clip the same) and the optimizer's step. `contiguous` copies the
-    response positions together before the LM head, as the engine's `head_logits` does."""
+    response positions together before the LM head (the engine's `head_logits`)."""
     import torch
 
     from marlhf_edu.math.logprobs import logprobs_from_logits
     from marlhf_edu.math.scoring import position_ids_from_mask
-    from marlhf_edu.ppo.backends import split_causal_lm
+    from marlhf_edu.ppo.backends import head_logits, split_causal_lm
 
     backbone, lm_head = split_causal_lm(model)
     for rows in torch.randperm(ids.shape[0]).split(mini_batch_size):
         hidden = backbone(input_ids=ids[rows], attention_mask=mask[rows],
                           position_ids=position_ids_from_mask(mask[rows]), use_cache=False).last_hidden_state
         response = hidden[:, -R - 1:-1]
-        logprobs = logprobs_from_logits(lm_head(response.contiguous() if contiguous else response), ids[rows, -R:])
+        logits = head_logits(lm_head, hidden, R) if contiguous else lm_head(response)
+        logprobs = logprobs_from_logits(logits, ids[rows, -R:])
         values = value_head(response).squeeze(-1)
         loss = -(logprobs * mask[rows, -R:]).mean() + 0.1 * values.pow(2).mean()
         loss.backward()
@@ -177,9 +178,8 @@ def smollm2_floor_steps(steps: int) -> tuple[list[dict], dict]:
 
     from marlhf_edu.data.prompts import load_prompts
     from marlhf_edu.loading.sources import load_tokenizer, resolve_model
-    from marlhf_edu.math.scoring import position_ids_from_mask
+    from marlhf_edu.math.scoring import last_token_hidden, position_ids_from_mask
     from marlhf_edu.ppo import PPOConfig, PPOTrainer
-    from marlhf_edu.ppo.backends import split_causal_lm
     from marlhf_edu.training.args import parse_stage_args
 
     (config,) = parse_stage_args((PPOConfig,), ["--config", str(ROOT / SMOLLM2_CONFIG)])
@@ -195,7 +195,6 @@ def smollm2_floor_steps(steps: int) -> tuple[list[dict], dict]:
     reward_head = torch.nn.Linear(sampler.config.hidden_size, 1)
     optim = torch.optim.AdamW([p for p in [*policy.parameters(), *value_head.parameters()] if p.requires_grad],
                               lr=config.learning_rate)
-    sampler_backbone, _ = split_causal_lm(sampler)
 
     records = []
     for step in range(steps):
@@ -203,10 +202,8 @@ def smollm2_floor_steps(steps: int) -> tuple[list[dict], dict]:
                                                        config, draw=config.token_draw)
         with torch.no_grad():
             positions = position_ids_from_mask(mask)
-            last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last real token
-            _, reward_s = timed(lambda: reward_head(sampler_backbone(
-                input_ids=ids, attention_mask=mask, position_ids=positions,
-                use_cache=False).last_hidden_state[torch.arange(ids.shape[0]), last]))
+            # the reward model's forward at a merged adapter's cost: the backbone, its head at each row's last token
+            _, reward_s = timed(lambda: reward_head(last_token_hidden(sampler, ids, mask)))
             _, reference_s = timed(lambda: sampler(input_ids=ids, attention_mask=mask, position_ids=positions,
                                                    logits_to_keep=R + 1, use_cache=False).logits)
         record = {"generate": generate_s, "reward_forward": reward_s, "reference_forward": reference_s,
