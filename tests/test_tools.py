@@ -230,3 +230,34 @@ def test_bench_floor_compares_with_trl_on_the_tiny_work_only():
     with pytest.raises(SystemExit) as exit_:
         module.main(["--work", "smollm2", "--compare", "benchmarks/speed_vs_trl.json"])
     assert exit_.value.code == 2
+
+
+def test_speed_targets_other_config_runs_on_this_side_only_and_is_named_apart(tmp_path, monkeypatch):
+    """`--config` changes what this checkout runs, never 7b49006's config, and names its record after the file;
+    a config outside configs/smollm2/ or with the trl comparison is refused before anything runs."""
+    import json
+
+    module = _speed_targets()
+    baseline = tmp_path / "7b49006"
+    ran = []
+
+    def fake_run(args, **kwargs):
+        out = pathlib.Path(args[args.index("--out") + 1])
+        ran.append((args[1], args[args.index("--config") + 1] if "--config" in args else None))
+        out.write_text(json.dumps({"step_s": 10.0, "floor_step_s": 5.0, "phases_s": {}, "response_length": 1.0,
+                                   "generate_tokens_per_s": 1.0, "steps_averaged": [2, 3], "fp32_products": "off",
+                                   "per_step": [], "measured_on": "x", "machine": {}}))
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    module.side_by_side(baseline, 1, {}, "native", floor=True, config="configs/smollm2/ma_ppo_bf16.yaml")
+    steps = [config for tool, config in ran if tool.endswith("bench_step.py")]
+    assert steps == [str(baseline / module.SMOLLM2_CONFIG), str(module.ROOT / "configs/smollm2/ma_ppo_bf16.yaml")]
+    assert module.config_suffix(module.SMOLLM2_CONFIG) == ""
+    assert module.config_suffix("configs/smollm2/ma_ppo_bf16.yaml") == "_ma_ppo_bf16"
+    monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: pytest.fail("ran something before refusing"))
+    with pytest.raises(SystemExit, match="not a file under configs/smollm2/"):
+        module.main(["--smollm2-floor", "--config", "configs/tiny_ppo.yaml", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--trl-python", "python", "--config", "configs/smollm2/ma_ppo_bf16.yaml",
+                     "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2

@@ -18,7 +18,9 @@ With `--smollm2-floor` (no `--trl-python`) only step 2 runs, each round first ti
 (`tools/bench_floor.py --work smollm2`: bare transformers/peft calls over the padded batch, dense fp32, MKL), then
 the two engines → `benchmarks/smollm2_step_floor_<cpu>.json`: what the 0.6 target leaves beside those passes on this
 machine (floor ÷ 7b49006) and the shipped step against them. Not a strict floor: the engine packs its forwards and
-can multiply by oneDNN.
+can multiply by oneDNN. `--config configs/smollm2/<name>.yaml` runs that config on this checkout's side instead of
+the shipped one (7b49006 keeps its own `ma_ppo.yaml`, the floor stays the fp32 one) →
+`benchmarks/smollm2_step_floor_<cpu>_<name>.json`: e.g. `ma_ppo_bf16.yaml`, whose products are bf16.
 
 `<cpu>` is the vendor and the widest vector extension `/proc/cpuinfo` lists: `amd_epyc_avx2`,
 `intel_xeon_avx512`, `amd_epyc_avx512bf16`, ... With `--kernels avx2` or `avx512`, PyTorch's, oneDNN's and MKL's
@@ -94,9 +96,11 @@ def verdicts(speed: dict, smollm2: dict) -> list[dict]:
     return out
 
 
-def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: str, floor: bool = False) -> dict:
-    """`rounds` rounds of the SmolLM2 step, the engine at 7b49006 then this checkout's, each a fresh process; with
-    `floor`, the step's floor first in each round (`tools/bench_floor.py --work smollm2`)."""
+def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: str, floor: bool = False,
+                 config: str = SMOLLM2_CONFIG) -> dict:
+    """`rounds` rounds of the SmolLM2 step, the engine at 7b49006 (its own `SMOLLM2_CONFIG`) then this checkout's
+    with `config`, each a fresh process; with `floor`, the step's floor first in each round
+    (`tools/bench_floor.py --work smollm2`)."""
     runs, floors = [], []
     for round_ in range(1, rounds + 1):
         if floor:
@@ -110,11 +114,11 @@ def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: st
             floors.append({"kernels": kernels, "round": round_,
                            **{k: measured[k] for k in ("floor_step_s", "phases_s", "generate_tokens_per_s", "per_step",
                                                        "measured_on", "machine")}})
-        for engine, root in ((BASELINE, baseline_dir), ("shipped", ROOT)):
+        for engine, root, config_ in ((BASELINE, baseline_dir, SMOLLM2_CONFIG), ("shipped", ROOT, config)):
             with tempfile.TemporaryDirectory() as tmp:
                 out = pathlib.Path(tmp) / "step.json"
                 subprocess.run([sys.executable, str(root / "tools" / "bench_step.py"), "--command", "ma-ppo",
-                                "--config", str(root / SMOLLM2_CONFIG), "--steps", "3", "--skip", "1", "--out",
+                                "--config", str(root / config_), "--steps", "3", "--skip", "1", "--out",
                                 str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                                env={**env, "PYTHONPATH": str(root)})
                 step = json.loads(out.read_text())
@@ -151,29 +155,43 @@ def with_baseline(measure):
             subprocess.run(["git", "worktree", "remove", "--force", str(baseline_dir)], cwd=ROOT, check=False)
 
 
-def smollm2_record(ran: str, kind: str, kernels: str, command: str, measured: dict) -> dict:
-    """A SmolLM2 side-by-side record: what `ran` in turn each round, on which CPU kind and kernels, by which command."""
+def smollm2_record(ran: str, kind: str, kernels: str, command: str, measured: dict,
+                   config: str = SMOLLM2_CONFIG) -> dict:
+    """A SmolLM2 side-by-side record: what `ran` in turn each round, on which CPU kind and kernels, by which command;
+    `config` is the one this checkout ran (the engine at 7b49006 always runs its own `SMOLLM2_CONFIG`)."""
     return {"what": f"seconds per MA-PPO step of SmolLM2-135M (NF4 base), mean of steps 2-3 of 3-step runs, {ran} in "
                     "turn each round",
             "engines": {BASELINE: f"commit {BASELINE} with its own {SMOLLM2_CONFIG}",
-                        "shipped": f"this checkout with {SMOLLM2_CONFIG} as shipped"},
+                        "shipped": f"this checkout with {config} as shipped"},
             "cpu_kind": kind, "kernels": kernels, "date": time.strftime("%Y-%m-%d"), "command": command, **measured}
 
 
+def config_suffix(config: str) -> str:
+    """'' for `SMOLLM2_CONFIG`, else `_<the config file's stem>`: a record of another config is named apart."""
+    if config == SMOLLM2_CONFIG:
+        return ""
+    if not (ROOT / config).is_file() or not config.startswith("configs/smollm2/"):
+        raise SystemExit(f"speed_targets: --config {config}: not a file under configs/smollm2/ of this checkout")
+    return "_" + pathlib.Path(config).stem
+
+
 def smollm2_floor(args, kind: str, suffix: str) -> dict:
-    """`--smollm2-floor`: the step's floor, 7b49006 and the shipped config in turn, `--rounds` rounds."""
-    out = args.out_dir / f"smollm2_step_floor_{suffix}.json"
+    """`--smollm2-floor`: the step's floor, 7b49006 and this checkout's `--config` in turn, `--rounds` rounds."""
+    out = args.out_dir / f"smollm2_step_floor_{suffix}{config_suffix(args.config)}.json"
     if out.exists():  # a record is evidence: never overwritten
         sys.exit(f"speed_targets: {out} exists; move it aside (e.g. to a name ending _at_<commit>) first")
     env, env_words = run_env(args.kernels)
     print(f"CPU kind {kind}, kernels {args.kernels}: record {out.name}", flush=True)
-    print(f"SmolLM2: the floor, {BASELINE} and the shipped config in turn, {args.rounds} rounds", flush=True)
+    print(f"SmolLM2: the floor, {BASELINE} and {args.config} in turn, {args.rounds} rounds", flush=True)
     measured = with_baseline(lambda baseline_dir: side_by_side(baseline_dir, args.rounds, env, args.kernels,
-                                                               floor=True))
+                                                               floor=True, config=args.config))
+    named = "" if args.config == SMOLLM2_CONFIG else f" --config {args.config}"
     record = smollm2_record("the step's passes alone (tools/bench_floor.py --work smollm2: bare transformers/peft "
-                            f"calls over the padded batch, dense fp32, MKL), {BASELINE} and the shipped config",
+                            f"calls over the padded batch of {SMOLLM2_CONFIG}, dense fp32, MKL), {BASELINE} and "
+                            f"this checkout's {args.config}",
                             kind, args.kernels, f"{env_words + ' ' if env_words else ''}python tools/speed_targets.py "
-                            f"--smollm2-floor --kernels {args.kernels} --rounds {args.rounds}", measured)
+                            f"--smollm2-floor --kernels {args.kernels} --rounds {args.rounds}{named}", measured,
+                            config=args.config)
     out.write_text(json.dumps(record, indent=1) + "\n")
     r = measured["ratios"]
     show = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
@@ -193,9 +211,14 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "benchmarks")
+    parser.add_argument("--config", default=SMOLLM2_CONFIG,
+                        help="with --smollm2-floor: the config this checkout runs (under configs/smollm2/; the "
+                             f"record's name ends _<its stem>); the engine at {BASELINE} runs its own {SMOLLM2_CONFIG}")
     args = parser.parse_args(argv)
     if not args.smollm2_floor and not args.trl_python:
         parser.error("--trl-python is required (or --smollm2-floor)")
+    if args.config != SMOLLM2_CONFIG and not args.smollm2_floor:
+        parser.error(f"--config is for --smollm2-floor: the targets are judged on {SMOLLM2_CONFIG}")
 
     kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
     suffix = record_suffix(kind, args.kernels)
