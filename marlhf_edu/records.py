@@ -2,7 +2,8 @@
 
 The scripts in `tools/` that make the records in `benchmarks/` import these, so every record names its machine
 the same way: `machine()` (a dict, stored under `machine`), `measured_on()` (one line, stored under
-`measured_on`), `cpu_name()` and `write_result(out, summary)`. torch is imported inside `machine()`, so importing
+`measured_on`), `cpu_name()`, `cpu_kind(cpuinfo)` (the name records are filed under) and
+`write_result(out, summary)`. torch is imported inside `machine()`, so importing
 this module loads nothing heavy.
 """
 
@@ -15,7 +16,7 @@ import platform
 
 from marlhf_edu.loading.device import cpu_name
 
-__all__ = ["cpu_name", "machine", "measured_on", "write_result"]
+__all__ = ["cpu_kind", "cpu_name", "machine", "measured_on", "write_result"]
 
 
 def machine() -> dict:
@@ -39,3 +40,22 @@ def write_result(out: pathlib.Path | None, summary: dict) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def cpu_kind(cpuinfo: str) -> str:
+    """`<vendor>_<widest vector set>` of a `/proc/cpuinfo` text, e.g. `amd_epyc_avx512bf16`, `intel_xeon_avx2`."""
+    name, flags = "", set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and not name:
+            name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    if not flags:
+        raise ValueError("cpu_kind: no 'flags' line in the CPU description (is this /proc/cpuinfo of an x86 CPU?)")
+    lowered = name.lower()
+    vendor = ("amd_epyc" if "epyc" in lowered else "intel_xeon" if "xeon" in lowered else
+              "_".join("".join(c if c.isalnum() else " " for c in lowered).split()[:2]) or "cpu")
+    widest = ("avx512bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else
+              "avx2" if "avx2" in flags else "sse")
+    return f"{vendor}_{widest}"

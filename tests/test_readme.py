@@ -64,3 +64,18 @@ def test_its_gpu_commands_parse():
     # the pipeline runs with the allocator setting preflight's cache slack assumes
     assert lines[3][0] == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     assert result["plan"] and (ROOT / lines[3][4]).exists() and lines[3][1:3] == ["marlhf-edu", "pipeline"]
+
+
+def test_its_run_times_are_one_recorded_run():
+    """The "runs in" column quotes the one chapter-times record the README names (`tools/book.py times`): every
+    chapter's seconds, rounded, and the machine and date the sentence above the table gives."""
+    import json
+
+    named = set(re.findall(r"benchmarks/chapter_times_\w+\.json", README))
+    assert len(named) == 1, named
+    record = json.loads((ROOT / named.pop()).read_text())
+    rows = re.findall(r"^\|[^|\n]*\| \[\d\d [^]\n]*\]\(chapters/(\w+)\.md\) \|[^\n]*\| (\d+) s \|$", README, re.M)
+    chapters = {stem: round(v) for stem, v in record["seconds"].items() if re.match(r"\d\d_", stem)}
+    assert {stem: int(s) for stem, s in rows} == chapters
+    assert len(chapters) == len(list((ROOT / "chapters").glob("[0-9][0-9]_*.md")))
+    assert record["date"] in README and f"{round(record['total_s'] / 60)} minutes" in README

@@ -425,3 +425,29 @@ def test_the_repository_buttons_appear_once_the_project_has_a_url(monkeypatch):
     monkeypatch.setenv("MARLHF_EDU_REPOSITORY_URL", "https://example.org/marlhf-edu")
     options = runpy.run_path(str(ROOT / "site" / "conf.py"))["html_theme_options"]
     assert options["repository_url"] == "https://example.org/marlhf-edu" and options["use_repository_button"]
+
+
+def test_times_records_each_chapter_once_and_never_overwrites(tmp_path, monkeypatch):
+    """tools/book.py times: the seconds execute_chapters returns (problem sets included), their total and the
+    machine, in chapter_times_<cpu kind>.json; a second run refuses before executing anything."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import book
+
+    calls = []
+
+    def fake_execute(out_dir, names=None, problems=None):
+        calls.append((out_dir, problems))
+        return {"00_preface": 3.2, "01_reward_models": 4.4, "p1_math": 2.9}
+
+    monkeypatch.setattr(book, "execute_chapters", fake_execute)
+    record = book.cmd_times(out_dir=tmp_path)
+    assert calls == [(book.BUILD / "executed", True)]
+    (written,) = tmp_path.glob("chapter_times_*.json")
+    assert json.loads(written.read_text()) == record
+    assert record["seconds"]["p1_math"] == 2.9 and record["total_s"] == 10.5
+    assert written.name == f"chapter_times_{record['cpu_kind']}.json" and record["command"] == "python tools/book.py times"
+    with pytest.raises(SystemExit, match="exists; move it aside"):
+        book.cmd_times(out_dir=tmp_path)
+    assert len(calls) == 1

@@ -4,6 +4,8 @@
   python tools/book.py site                   build the site into build/site/ from the stored outputs
   python tools/book.py site --execute         execute every chapter into build/executed/ first, build from those
   python tools/book.py status                 list chapter pairs that are out of sync or unexecuted
+  python tools/book.py times                  execute every chapter and problem set into build/executed/ and record
+                                              the seconds each took: benchmarks/chapter_times_<cpu kind>.json
   python tools/book.py grading                write nbgrader cell metadata into chapters/ from the exercise markers
   python tools/book.py assignments [NAME ...] build course/source/ from the stored notebooks, release into course/release/
   python tools/book.py learner [NAME ...]     the learner edition: learner/ from the stored notebooks, answers removed
@@ -202,12 +204,14 @@ def merged_streams(nb) -> None:
     CoalesceStreamsPreprocessor().preprocess(nb, {})
 
 
-def execute_chapters(out_dir: pathlib.Path, names: list[str] | None = None) -> dict[str, float]:
-    """Execute chapters (all, or `names`) from chapters/ into `out_dir`; returns seconds per chapter."""
+def execute_chapters(out_dir: pathlib.Path, names: list[str] | None = None,
+                     problems: bool | None = None) -> dict[str, float]:
+    """Execute chapters (all, or `names`) from chapters/ into `out_dir`, and the problem sets if `problems` (by
+    default only into notebooks/); returns seconds per chapter."""
     import nbformat
 
     timings = {}
-    for md in chapter_paths(names, problems=out_dir == NOTEBOOKS):
+    for md in chapter_paths(names, problems=out_dir == NOTEBOOKS if problems is None else problems):
         nb = read_chapter(md)
         notebook_path(md).parent.mkdir(parents=True, exist_ok=True)
         print(f"{md.stem}: executing {sum(c.cell_type == 'code' for c in nb.cells)} code cells", flush=True)
@@ -331,6 +335,42 @@ def execute_all() -> pathlib.Path:
     (out / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
     print(f"{len(timings) - 1} chapters executed in {timings['total']:.1f} s")
     return out
+
+
+def smollm2_cache_state() -> str:
+    """What `times` records about the SmolLM2 model cache: on a fresh machine chapter 13 converts the GGUF file."""
+    from marlhf_edu.loading.model_cache import cache_dir
+
+    gguf = cache_dir() / "gguf"
+    return ("present (the GGUF file already converted)" if gguf.is_dir() and any(gguf.iterdir())
+            else "absent (chapter 13's time includes converting the GGUF file)")
+
+
+def cmd_times(out_dir: pathlib.Path = ROOT / "benchmarks") -> dict:
+    """Every chapter and problem set executed afresh into build/executed/, one after another (the stored outputs in
+    notebooks/ stay untouched), and the seconds each took written to `out_dir`/chapter_times_<cpu kind>.json with
+    the machine, the date and the SmolLM2 cache's state. One run on one machine: the README's "runs in" column
+    quotes such a record (tests/test_readme.py holds them equal). An existing record is never overwritten."""
+    from marlhf_edu.records import cpu_kind, machine, measured_on
+
+    kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    out = out_dir / f"chapter_times_{kind}.json"
+    shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
+    if out.exists():  # a record is evidence
+        sys.exit(f"book.py times: {shown} exists; move it aside (e.g. to a name ending _at_<commit>) first")
+    cache = smollm2_cache_state()
+    start = time.perf_counter()
+    seconds = execute_chapters(BUILD / "executed", problems=True)
+    record = {"what": "seconds each chapter and problem set takes to execute (every code cell, a fresh kernel "
+                      "each, one after another in one run)",
+              "command": "python tools/book.py times", "date": time.strftime("%Y-%m-%d"), "cpu_kind": kind,
+              "measured_on": measured_on(), "machine": machine(), "smollm2_cache": cache,
+              "seconds": seconds, "total_s": round(sum(seconds.values()), 1),
+              "wall_s": round(time.perf_counter() - start, 1)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{len(seconds)} chapters and problem sets executed in {record['total_s']:.1f} s: {shown}")
+    return record
 
 
 def cmd_site(execute_first: bool) -> None:
@@ -845,6 +885,7 @@ def main() -> None:
     site = sub.add_parser("site")
     site.add_argument("--execute", action="store_true", help="execute every chapter afresh before building")
     sub.add_parser("status")
+    sub.add_parser("times")
     grading = sub.add_parser("grading")
     grading.add_argument("names", nargs="*")
     assignments = sub.add_parser("assignments")
@@ -862,6 +903,8 @@ def main() -> None:
         cmd_learner(args.names)
     elif args.cmd == "site":
         cmd_site(args.execute)
+    elif args.cmd == "times":
+        cmd_times()
     else:
         problems = out_of_sync()
         print("\n".join(problems) if problems else "all chapter pairs in sync and executed")

@@ -43,6 +43,8 @@ import sys
 import tempfile
 import time
 
+from marlhf_edu.records import cpu_kind
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASELINE = "7b49006"
 SMOLLM2_CONFIG = "configs/smollm2/ma_ppo.yaml"
@@ -55,25 +57,6 @@ KERNEL_ENV = {
 #: target name → (the compare_trl case, the least trl ÷ ours); the SmolLM2 target is SMOLLM2_TARGET
 TRL_TARGETS = {"tiny LoRA MA-PPO, CPU options": ("lora", 1.05), "tiny four-model, CPU options": ("full", 1.0)}
 SMOLLM2_TARGET = 0.6
-
-
-def cpu_kind(cpuinfo: str) -> str:
-    """`<vendor>_<widest vector set>` of a `/proc/cpuinfo` text, e.g. `amd_epyc_avx512bf16`, `intel_xeon_avx2`."""
-    name, flags = "", set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and not name:
-            name = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    if not flags:
-        raise ValueError("cpu_kind: no 'flags' line in the CPU description (is this /proc/cpuinfo of an x86 CPU?)")
-    lowered = name.lower()
-    vendor = ("amd_epyc" if "epyc" in lowered else "intel_xeon" if "xeon" in lowered else
-              "_".join("".join(c if c.isalnum() else " " for c in lowered).split()[:2]) or "cpu")
-    widest = ("avx512bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else
-              "avx2" if "avx2" in flags else "sse")
-    return f"{vendor}_{widest}"
 
 
 def record_suffix(kind: str, kernels: str) -> str:
