@@ -68,14 +68,21 @@ def test_its_gpu_commands_parse():
 
 def test_its_run_times_are_one_recorded_run():
     """The "runs in" column quotes the one chapter-times record the README names (`tools/book.py times`): every
-    chapter's seconds, rounded, and the machine and date the sentence above the table gives."""
+    chapter's seconds, rounded, and the machine and date the sentence above the table gives; so does the course
+    README's column, problem sets included."""
     import json
 
     named = set(re.findall(r"benchmarks/chapter_times_\w+\.json", README))
     assert len(named) == 1, named
-    record = json.loads((ROOT / named.pop()).read_text())
+    named_path = named.pop()
+    record = json.loads((ROOT / named_path).read_text())
     rows = re.findall(r"^\|[^|\n]*\| \[\d\d [^]\n]*\]\(chapters/(\w+)\.md\) \|[^\n]*\| (\d+) s \|$", README, re.M)
     chapters = {stem: round(v) for stem, v in record["seconds"].items() if re.match(r"\d\d_", stem)}
     assert {stem: int(s) for stem, s in rows} == chapters
     assert len(chapters) == len(list((ROOT / "chapters").glob("[0-9][0-9]_*.md")))
     assert record["date"] in README and f"{round(record['total_s'] / 60)} minutes" in README
+    # course/README.md's "runs in" column (chapters and problem sets) quotes the same record
+    course = (ROOT / "course" / "README.md").read_text()
+    assert named_path in course and record["date"] in course
+    course_rows = re.findall(r"^\| (\w+) \|(?:[^|\n]*\|){3} (\d+) s \|[^|\n]*\|$", course, re.M)
+    assert {stem: int(s) for stem, s in course_rows} == {stem: round(v) for stem, v in record["seconds"].items()}

@@ -254,6 +254,10 @@ def test_speed_targets_other_config_runs_on_this_side_only_and_is_named_apart(tm
     assert steps == [str(baseline / module.SMOLLM2_CONFIG), str(module.ROOT / "configs/smollm2/ma_ppo_bf16.yaml")]
     assert module.config_suffix(module.SMOLLM2_CONFIG) == ""
     assert module.config_suffix("configs/smollm2/ma_ppo_bf16.yaml") == "_ma_ppo_bf16"
+    assert module.config_suffix("./configs/smollm2/ma_ppo.yaml") == ""  # the same file, however it is written
+    assert module.config_suffix(str(module.ROOT / "configs/smollm2/ma_ppo_bf16.yaml")) == "_ma_ppo_bf16"
+    with pytest.raises(SystemExit, match="not a file under configs/smollm2/"):
+        module.config_suffix("configs/smollm2/../tiny_ppo.yaml")
     monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: pytest.fail("ran something before refusing"))
     with pytest.raises(SystemExit, match="not a file under configs/smollm2/"):
         module.main(["--smollm2-floor", "--config", "configs/tiny_ppo.yaml", "--out-dir", str(tmp_path)])

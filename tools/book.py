@@ -207,7 +207,7 @@ def merged_streams(nb) -> None:
 def execute_chapters(out_dir: pathlib.Path, names: list[str] | None = None,
                      problems: bool | None = None) -> dict[str, float]:
     """Execute chapters (all, or `names`) from chapters/ into `out_dir`, and the problem sets if `problems` (by
-    default only into notebooks/); returns seconds per chapter."""
+    default only when `out_dir` is notebooks/); returns seconds per chapter."""
     import nbformat
 
     timings = {}
@@ -338,12 +338,25 @@ def execute_all() -> pathlib.Path:
 
 
 def smollm2_cache_state() -> str:
-    """What `times` records about the SmolLM2 model cache: on a fresh machine chapter 13 converts the GGUF file."""
+    """What `times` records about the SmolLM2 model cache: on a fresh machine chapter 13 first converts the shipped
+    GGUF file (the folder `materialize_gguf` publishes, with its manifest) and the chapters build merged models."""
     from marlhf_edu.loading.model_cache import cache_dir
+    from marlhf_edu.loading.sources import gguf_digest, shipped_gguf_path
 
-    gguf = cache_dir() / "gguf"
-    return ("present (the GGUF file already converted)" if gguf.is_dir() and any(gguf.iterdir())
-            else "absent (chapter 13's time includes converting the GGUF file)")
+    gguf = shipped_gguf_path("smollm2")
+    converted = cache_dir() / "gguf" / f"{gguf.stem}-{gguf_digest(gguf)[:16]}" / "marlhf_manifest.json"
+    merged = cache_dir() / "merged"
+    built = sum(1 for entry in merged.iterdir() if entry.is_dir()) if merged.is_dir() else 0
+    return (f"GGUF conversion {'present' if converted.is_file() else 'absent (chapter 13 converts it first)'}; "
+            f"{built} merged model folder(s) present")
+
+
+def git_state() -> dict:
+    """The commit a record was made at and whether the tree had uncommitted changes to tracked files."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return {"commit": head or None, "tracked_files_changed": bool(dirty)}
 
 
 def cmd_times(out_dir: pathlib.Path = ROOT / "benchmarks") -> dict:
@@ -351,20 +364,25 @@ def cmd_times(out_dir: pathlib.Path = ROOT / "benchmarks") -> dict:
     notebooks/ stay untouched), and the seconds each took written to `out_dir`/chapter_times_<cpu kind>.json with
     the machine, the date and the SmolLM2 cache's state. One run on one machine: the README's "runs in" column
     quotes such a record (tests/test_readme.py holds them equal). An existing record is never overwritten."""
+    import platform
+
     from marlhf_edu.records import cpu_kind, machine, measured_on
 
-    kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    try:
+        kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    except (OSError, ValueError):  # no x86 /proc/cpuinfo (macOS, ARM): the record is named after the architecture
+        kind = platform.machine().lower() or "cpu"
     out = out_dir / f"chapter_times_{kind}.json"
     shown = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
     if out.exists():  # a record is evidence
         sys.exit(f"book.py times: {shown} exists; move it aside (e.g. to a name ending _at_<commit>) first")
-    cache = smollm2_cache_state()
+    cache, at = smollm2_cache_state(), git_state()
     start = time.perf_counter()
     seconds = execute_chapters(BUILD / "executed", problems=True)
     record = {"what": "seconds each chapter and problem set takes to execute (every code cell, a fresh kernel "
                       "each, one after another in one run)",
               "command": "python tools/book.py times", "date": time.strftime("%Y-%m-%d"), "cpu_kind": kind,
-              "measured_on": measured_on(), "machine": machine(), "smollm2_cache": cache,
+              "measured_on": measured_on(), "machine": machine(), **at, "smollm2_cache": cache,
               "seconds": seconds, "total_s": round(sum(seconds.values()), 1),
               "wall_s": round(time.perf_counter() - start, 1)}
     out.parent.mkdir(parents=True, exist_ok=True)

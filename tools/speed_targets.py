@@ -20,7 +20,8 @@ the two engines → `benchmarks/smollm2_step_floor_<cpu>.json`: what the 0.6 tar
 machine (floor ÷ 7b49006) and the shipped step against them. Not a strict floor: the engine packs its forwards and
 can multiply by oneDNN. `--config configs/smollm2/<name>.yaml` runs that config on this checkout's side instead of
 the shipped one (7b49006 keeps its own `ma_ppo.yaml`, the floor stays the fp32 one) →
-`benchmarks/smollm2_step_floor_<cpu>_<name>.json`: e.g. `ma_ppo_bf16.yaml`, whose products are bf16.
+`benchmarks/smollm2_step_floor_<cpu>_<name>.json` (its runs are still filed as engine "shipped"): e.g.
+`ma_ppo_bf16.yaml`, whose 4-bit layers' products are bf16.
 
 `<cpu>` is the vendor and the widest vector extension `/proc/cpuinfo` lists: `amd_epyc_avx2`,
 `intel_xeon_avx512`, `amd_epyc_avx512bf16`, ... With `--kernels avx2` or `avx512`, PyTorch's, oneDNN's and MKL's
@@ -149,17 +150,24 @@ def smollm2_record(ran: str, kind: str, kernels: str, command: str, measured: di
             "cpu_kind": kind, "kernels": kernels, "date": time.strftime("%Y-%m-%d"), "command": command, **measured}
 
 
+def config_path(config: str) -> str:
+    """`config` (relative to the repository root or absolute) as a path from the root, e.g.
+    `configs/smollm2/ma_ppo_bf16.yaml`; anything but a file under configs/smollm2/ of this checkout is refused."""
+    path = (ROOT / config).resolve()
+    if not path.is_file() or not path.is_relative_to(ROOT / "configs" / "smollm2"):
+        raise SystemExit(f"speed_targets: --config {config}: not a file under configs/smollm2/ of this checkout")
+    return str(path.relative_to(ROOT))
+
+
 def config_suffix(config: str) -> str:
     """'' for `SMOLLM2_CONFIG`, else `_<the config file's stem>`: a record of another config is named apart."""
-    if config == SMOLLM2_CONFIG:
-        return ""
-    if not (ROOT / config).is_file() or not config.startswith("configs/smollm2/"):
-        raise SystemExit(f"speed_targets: --config {config}: not a file under configs/smollm2/ of this checkout")
-    return "_" + pathlib.Path(config).stem
+    config = config_path(config)
+    return "" if config == SMOLLM2_CONFIG else "_" + pathlib.Path(config).stem
 
 
 def smollm2_floor(args, kind: str, suffix: str) -> dict:
     """`--smollm2-floor`: the step's floor, 7b49006 and this checkout's `--config` in turn, `--rounds` rounds."""
+    args.config = config_path(args.config)
     out = args.out_dir / f"smollm2_step_floor_{suffix}{config_suffix(args.config)}.json"
     if out.exists():  # a record is evidence: never overwritten
         sys.exit(f"speed_targets: {out} exists; move it aside (e.g. to a name ending _at_<commit>) first")
@@ -178,8 +186,8 @@ def smollm2_floor(args, kind: str, suffix: str) -> dict:
     out.write_text(json.dumps(record, indent=1) + "\n")
     r = measured["ratios"]
     show = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-    print(f"shipped ÷ {BASELINE}: {show(r['shipped_over_7b49006'])}; floor ÷ {BASELINE}: "
-          f"{show(r['floor_over_7b49006'])} (target ≤ {SMOLLM2_TARGET}); shipped ÷ floor: {show(r['shipped_over_floor'])}")
+    print(f"{args.config} ÷ {BASELINE}: {show(r['shipped_over_7b49006'])}; floor ÷ {BASELINE}: "
+          f"{show(r['floor_over_7b49006'])} (target ≤ {SMOLLM2_TARGET}); {args.config} ÷ floor: {show(r['shipped_over_floor'])}")
     print(f"(record {out}; add it to benchmarks/README.md)")
     return record
 
@@ -189,7 +197,7 @@ def main(argv=None):
     parser.add_argument("--trl-python", help="python of the trl 0.11.4 environment (compare_trl.py)")
     parser.add_argument("--smollm2-floor", action="store_true",
                         help="only the SmolLM2 part, each round also timing the step's floor (tools/bench_floor.py "
-                             "--work smollm2): benchmarks/smollm2_step_floor_<cpu>.json")
+                             "--work smollm2): benchmarks/smollm2_step_floor_<cpu>[_<config stem>].json")
     parser.add_argument("--kernels", choices=sorted(KERNEL_ENV), default="native")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
@@ -200,7 +208,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not args.smollm2_floor and not args.trl_python:
         parser.error("--trl-python is required (or --smollm2-floor)")
-    if args.config != SMOLLM2_CONFIG and not args.smollm2_floor:
+    if not args.smollm2_floor and config_path(args.config) != SMOLLM2_CONFIG:
         parser.error(f"--config is for --smollm2-floor: the targets are judged on {SMOLLM2_CONFIG}")
 
     kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
