@@ -265,3 +265,19 @@ def test_speed_targets_other_config_runs_on_this_side_only_and_is_named_apart(tm
         module.main(["--trl-python", "python", "--config", "configs/smollm2/ma_ppo_bf16.yaml",
                      "--out-dir", str(tmp_path)])
     assert exit_.value.code == 2
+
+
+def test_records_name_the_cpu_features_that_pick_kernels():
+    """`cpu_features`: the vector flags of VECTOR_FLAGS the first CPU lists, in VECTOR_FLAGS' order, and its reported
+    clock; `machine()` stores them where /proc/cpuinfo exists, so two VMs of one cpu_kind can be told apart."""
+    from marlhf_edu.records import VECTOR_FLAGS, cpu_features, machine
+
+    text = ("processor : 0\nmodel name : Intel(R) Xeon(R) Processor\ncpu MHz : 2600.000\n"
+            "flags : fpu sse2 avx2 avx512f amx_bf16 avx512_bf16 fma\nprocessor : 1\ncpu MHz : 1200.0\n"
+            "flags : fpu avx2 avx512_fp16\n")
+    assert cpu_features(text) == {"cpu_flags": ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"],
+                                  "cpu_mhz_reported": 2600.0}
+    assert cpu_features("model name : ARM\n") == {"cpu_flags": [], "cpu_mhz_reported": None}
+    here = machine()
+    if pathlib.Path("/proc/cpuinfo").exists():
+        assert set(here["cpu_flags"]) <= set(VECTOR_FLAGS) and "cpu_mhz_reported" in here
