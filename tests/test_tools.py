@@ -281,3 +281,81 @@ def test_records_name_the_cpu_features_that_pick_kernels():
     here = machine()
     if pathlib.Path("/proc/cpuinfo").exists():
         assert set(here["cpu_flags"]) <= set(VECTOR_FLAGS) and "cpu_mhz_reported" in here
+
+
+def _bench_step():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_step", TOOLS / "bench_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_step_matmul_precision_rounds_products_keeps_attention_and_restores():
+    """`--matmul-precision bf16`: inside the block a product equals the fp32 product of bf16-rounded inputs (not the
+    fp32 one), attention is computed as outside it, and torch's setting and function are restored after (also on
+    an error). Where this CPU's PyTorch has no bf16 kernels only the restoring is checked."""
+    import torch
+    import torch.nn.functional as F
+
+    from marlhf_edu.loading.cpu_products import native_low_precision_products
+
+    module = _bench_step()
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(128, 256, generator=g)
+    q, k, v = (torch.randn(2, 9, 112, 64, generator=g) for _ in range(3))  # SmolLM2's heads: at 16 tokens bf16 is unused
+    plain, plain_attention = F.linear(x, w), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    rounded = F.linear(x.bfloat16().float(), w.bfloat16().float())
+    before, attention = torch.backends.mkldnn.matmul.fp32_precision, F.scaled_dot_product_attention
+    with module.matmul_precision("bf16"):
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        inside, inside_attention = F.linear(x, w), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # the attention wrapper put it back
+    assert torch.backends.mkldnn.matmul.fp32_precision == before and F.scaled_dot_product_attention is attention
+    with pytest.raises(RuntimeError), module.matmul_precision("bf16_with_attention"):
+        assert F.scaled_dot_product_attention is attention
+        all_bf16_attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        raise RuntimeError("a step failed")
+    assert torch.backends.mkldnn.matmul.fp32_precision == before
+    with pytest.raises(ValueError, match="one of"), module.matmul_precision("tf32"):
+        pass
+    if not native_low_precision_products(torch.bfloat16):
+        pytest.skip("this CPU's PyTorch has no bf16 matrix kernels: the setting changes nothing to check")
+    assert torch.equal(inside_attention, plain_attention) and not torch.equal(all_bf16_attention, plain_attention)
+    assert (inside - rounded).abs().max() < 1e-3 < (inside - plain).abs().max()
+
+
+def test_speed_targets_passes_the_precision_to_this_side_only(tmp_path, monkeypatch):
+    """`--matmul-precision`: this checkout's bench_step gets it with old_logprobs: recompute, 7b49006's does not; the
+    record says so and is named apart; without --smollm2-floor it is refused."""
+    import json
+
+    module = _speed_targets()
+    baseline = tmp_path / "7b49006"
+    ran = []
+
+    def fake_run(args, **kwargs):
+        ran.append(args)
+        out = pathlib.Path(args[args.index("--out") + 1])
+        out.write_text(json.dumps({"step_s": 10.0, "floor_step_s": 5.0, "phases_s": {}, "response_length": 1.0,
+                                   "generate_tokens_per_s": 1.0, "steps_averaged": [2, 3], "fp32_products": "off",
+                                   "per_step": [], "measured_on": "x", "machine": {},
+                                   **({"matmul_precision": "bf16"} if "--matmul-precision" in args else {})}))
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    got = module.side_by_side(baseline, 1, {}, "native", floor=True, precision="bf16")
+    old, new = [a for a in ran if a[1].endswith("bench_step.py")]
+    assert "--matmul-precision" not in old and "--old_logprobs" not in old
+    assert new[new.index("--matmul-precision"):] == ["--matmul-precision", "bf16", "--", "--old_logprobs", "recompute"]
+    assert [r["matmul_precision"] for r in got["runs"]] == ["ieee", "bf16"]
+    record = module.smollm2_record("x", "cpu", "native", "cmd", got, precision="bf16")
+    assert "old_logprobs: recompute" in record["engines"]["shipped"] and "attention in fp32" in record["engines"]["shipped"]
+    monkeypatch.setattr(module, "with_baseline", lambda measure: measure(baseline))
+    monkeypatch.setattr(module, "cpu_kind", lambda text: "cpu")
+    module.main(["--smollm2-floor", "--rounds", "1", "--matmul-precision", "bf16", "--out-dir", str(tmp_path)])
+    written = json.loads((tmp_path / "smollm2_step_floor_cpu_bf16_products.json").read_text())
+    assert written["command"].endswith("--matmul-precision bf16")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--trl-python", "python", "--matmul-precision", "bf16", "--out-dir", str(tmp_path)])
+    assert exit_.value.code == 2

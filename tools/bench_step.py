@@ -17,11 +17,18 @@ allocator warm-up and lazy initialisation) of each phase the trainer times (`PPO
 plus the step time, the rollout's sampled tokens per second of generation, and the machine; `per_step` keeps
 every step's times and what it trained (`STAT_KEYS`: KL, score, answer length, ...). Chapter 09
 explains the breakdown; `tools/compare_trl.py` runs trl 0.11.4 on the same work. Not part of `make test`.
+
+`--matmul-precision bf16` runs the whole step with PyTorch's fp32 matrix products at bf16 precision
+(`torch.backends.mkldnn.matmul.fp32_precision`: oneDNN rounds both inputs to bf16 and sums in fp32, on AMX or
+AVX512-BF16 instructions), attention kept at fp32 (`matmul_precision`); `bf16_with_attention` puts attention under
+it too. A measurement of what that precision would buy, not an engine option: the sampler's log-probs cannot stand
+in for the training path's then, so it needs `-- --old_logprobs recompute`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import tempfile
@@ -33,14 +40,49 @@ PHASE_KEYS = ("generate", "score", "policy", "reference", "update")
 #: what each step trained, kept beside its times: two runs of one seed can be compared step by step
 STAT_KEYS = ("kl/k1", "score/mean", "response/length", "response/no_eos_rate", "loss/policy", "rollout/logprob_gap",
              "policy/entropy", "value/mean", "loss/value")
+#: `--matmul-precision`: fp32 products in fp32 (PyTorch's default), at bf16 with attention in fp32, or all at bf16
+MATMUL_PRECISIONS = ("ieee", "bf16", "bf16_with_attention")
 
 
-def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]) -> dict:
-    """Run `steps` PPO steps of `command` (`ppo` or `ma-ppo`) with `config_path` and `overrides`; every step's record."""
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """PyTorch's fp32 matrix products at `precision` inside the block, restored after (see the module docstring).
+
+    With "bf16", `torch.nn.functional.scaled_dot_product_attention` runs at "ieee": under bf16 PyTorch's CPU flash
+    attention took 7x as long on a 2-core Intel Xeon with AMX (one profiled SmolLM2 step), more than the products
+    gained. transformers' SDPA attention looks that function up on every call, so the wrapper is what it runs."""
+    import torch
+    import torch.nn.functional as F
+
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul precision must be one of {MATMUL_PRECISIONS}, got {precision!r}")
+    backend = torch.backends.mkldnn.matmul
+    before, attention = backend.fp32_precision, F.scaled_dot_product_attention
+
+    def fp32_attention(*args, **kwargs):
+        inside = backend.fp32_precision
+        backend.fp32_precision = "ieee"
+        try:
+            return attention(*args, **kwargs)
+        finally:
+            backend.fp32_precision = inside
+
+    backend.fp32_precision = "ieee" if precision == "ieee" else "bf16"
+    if precision == "bf16":
+        F.scaled_dot_product_attention = fp32_attention
+    try:
+        yield
+    finally:
+        backend.fp32_precision, F.scaled_dot_product_attention = before, attention
+
+
+def bench_steps(command: str, config_path: str, steps: int, overrides: list[str], precision: str = "ieee") -> dict:
+    """Run `steps` PPO steps of `command` (`ppo` or `ma-ppo`) with `config_path` and `overrides`, fp32 products at
+    `precision` (`matmul_precision`); every step's record."""
     import torch
 
     from marlhf_edu.data.prompts import load_prompts
-    from marlhf_edu.loading.cpu_products import fp32_products_where_needed
+    from marlhf_edu.loading.cpu_products import fp32_products_where_needed, native_low_precision_products
     from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
     from marlhf_edu.training.args import parse_stage_args
@@ -52,12 +94,21 @@ def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]
                                                     "--total_steps", str(steps), "--eval_repeats", "0",
                                                     "--save_steps", "0"])
         config.validate()
+        if precision != "ieee":
+            if config.old_logprobs == "sampler":  # refused before anything loads
+                raise SystemExit(f"bench_step: --matmul-precision {precision} with old_logprobs: sampler would take "
+                                 "the PPO ratio against the sampler's bf16-rounded log-probs; add -- --old_logprobs "
+                                 "recompute")
+            if config.resolved_device != "cpu" or not native_low_precision_products(torch.bfloat16):
+                raise SystemExit(f"bench_step: --matmul-precision {precision} is for a CPU with bf16 matrix kernels "
+                                 "(AVX-512 or AMX); this run has none")
         torch.manual_seed(config.seed)
-        start = time.perf_counter()
-        backend = factory(config)
-        load_s = time.perf_counter() - start
-        trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer))
-        records = [trainer.step() for _ in range(steps)]
+        with matmul_precision(precision):
+            start = time.perf_counter()
+            backend = factory(config)
+            load_s = time.perf_counter() - start
+            trainer = PPOTrainer(backend, config, load_prompts(config, backend.tokenizer))
+            records = [trainer.step() for _ in range(steps)]
         fp32_products = "off" if mode is None else "entered" if getattr(mode, "entered", True) else "never entered"
     return {"config": config, "records": records, "load_s": load_s, "fp32_products": fp32_products}
 
@@ -83,10 +134,13 @@ def main(argv=None):
     parser.add_argument("--skip", type=int, default=2, help="leading steps left out of the means")
     parser.add_argument("--label", default="", help="a name for this case in the output")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="JSON file to write (else print only)")
+    parser.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="ieee",
+                        help="fp32 matrix products at bf16 precision for the run (see above); needs old_logprobs: "
+                             "recompute")
     parser.add_argument("extra", nargs="*", help="more stage overrides, after --")
     args = parser.parse_args(argv)
 
-    result = bench_steps(args.command, args.config, args.steps, args.extra)
+    result = bench_steps(args.command, args.config, args.steps, args.extra, args.matmul_precision)
     cfg = result["config"]
     summary = {
         "label": args.label or f"{args.command} {args.config} {' '.join(args.extra)}".strip(),
@@ -97,6 +151,7 @@ def main(argv=None):
         **summarise(result["records"], args.skip),
         "load_s": round(result["load_s"], 2),
         "fp32_products": result["fp32_products"],  # cpu_products: off here, entered, or never entered (no bf16)
+        "matmul_precision": args.matmul_precision,
         "per_step": [{k: round(v, 4) if k.startswith("time/") else v for k, v in r.items()
                       if k.startswith("time/") or k in STAT_KEYS} for r in result["records"]],
         "measured_on": measured_on(),

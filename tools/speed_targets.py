@@ -21,7 +21,9 @@ machine (floor ÷ 7b49006) and the shipped step against them. Not a strict floor
 can multiply by oneDNN. `--config configs/smollm2/<name>.yaml` runs that config on this checkout's side instead of
 the shipped one (7b49006 keeps its own `ma_ppo.yaml`, the floor stays the fp32 one) →
 `benchmarks/smollm2_step_floor_<cpu>_<name>.json` (its runs are still filed as engine "shipped"): e.g.
-`ma_ppo_bf16.yaml`, whose 4-bit layers' products are bf16.
+`ma_ppo_bf16.yaml`, whose 4-bit layers' products are bf16. `--matmul-precision bf16` (or `bf16_with_attention`)
+runs this checkout's side with every fp32 product at bf16 precision (`tools/bench_step.py --matmul-precision`,
+with `old_logprobs: recompute`) → a record whose name ends `_<precision>_products`.
 
 `<cpu>` is the vendor and the widest vector extension `/proc/cpuinfo` lists: `amd_epyc_avx2`,
 `intel_xeon_avx512`, `amd_epyc_avx512bf16`, ... With `--kernels avx2` or `avx512`, PyTorch's, oneDNN's and MKL's
@@ -81,10 +83,12 @@ def verdicts(speed: dict, smollm2: dict) -> list[dict]:
 
 
 def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: str, floor: bool = False,
-                 config: str = SMOLLM2_CONFIG) -> dict:
+                 config: str = SMOLLM2_CONFIG, precision: str = "ieee") -> dict:
     """`rounds` rounds of the SmolLM2 step, the engine at 7b49006 (its own `SMOLLM2_CONFIG`) then this checkout's
-    with `config`, each a fresh process; with `floor`, the step's floor first in each round
-    (`tools/bench_floor.py --work smollm2`)."""
+    with `config` (its fp32 products at `precision`, `bench_step.matmul_precision`), each a fresh process; with
+    `floor`, the step's floor first in each round (`tools/bench_floor.py --work smollm2`)."""
+    # bf16-rounded products: the sampler's log-probs no longer stand in for the training path's (bench_step refuses)
+    ours = [] if precision == "ieee" else ["--matmul-precision", precision, "--", "--old_logprobs", "recompute"]
     runs, floors = [], []
     for round_ in range(1, rounds + 1):
         if floor:
@@ -103,14 +107,16 @@ def side_by_side(baseline_dir: pathlib.Path, rounds: int, env: dict, kernels: st
                 out = pathlib.Path(tmp) / "step.json"
                 subprocess.run([sys.executable, str(root / "tools" / "bench_step.py"), "--command", "ma-ppo",
                                 "--config", str(root / config_), "--steps", "3", "--skip", "1", "--out",
-                                str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                str(out), *(ours if engine == "shipped" else [])], check=True, cwd=ROOT,
+                               stdout=subprocess.DEVNULL,
                                env={**env, "PYTHONPATH": str(root)})
                 step = json.loads(out.read_text())
             print(f"  SmolLM2 round {round_}, {engine}: {step['step_s']:.1f} s a step", flush=True)
             runs.append({"kernels": kernels, "round": round_, "engine": engine,
                          **{k: step[k] for k in ("step_s", "phases_s", "response_length", "generate_tokens_per_s",
                                                  "steps_averaged", "fp32_products", "per_step", "measured_on",
-                                                 "machine")}})
+                                                 "machine")},
+                         "matmul_precision": step.get("matmul_precision", "ieee")})
     ratios = {"shipped_over_7b49006": [round(runs[i + 1]["step_s"] / runs[i]["step_s"], 4)
                                        for i in range(0, len(runs), 2)]}
     if not floor:
@@ -140,13 +146,19 @@ def with_baseline(measure):
 
 
 def smollm2_record(ran: str, kind: str, kernels: str, command: str, measured: dict,
-                   config: str = SMOLLM2_CONFIG) -> dict:
+                   config: str = SMOLLM2_CONFIG, precision: str = "ieee") -> dict:
     """A SmolLM2 side-by-side record: what `ran` in turn each round, on which CPU kind and kernels, by which command;
-    `config` is the one this checkout ran (the engine at 7b49006 always runs its own `SMOLLM2_CONFIG`)."""
+    `config` is the one this checkout ran (the engine at 7b49006 always runs its own `SMOLLM2_CONFIG`), its fp32
+    products at `precision`."""
+    ours = f"this checkout with {config} as shipped"
+    if precision != "ieee":
+        ours = (f"this checkout with {config}, old_logprobs: recompute, every fp32 matrix product at bf16 precision "
+                "(torch.backends.mkldnn.matmul.fp32_precision = 'bf16', tools/bench_step.py --matmul-precision "
+                f"{precision}: inputs rounded to bf16, sums in fp32), "
+                + ("attention too" if precision == "bf16_with_attention" else "attention in fp32"))
     return {"what": f"seconds per MA-PPO step of SmolLM2-135M (NF4 base), mean of steps 2-3 of 3-step runs, {ran} in "
                     "turn each round",
-            "engines": {BASELINE: f"commit {BASELINE} with its own {SMOLLM2_CONFIG}",
-                        "shipped": f"this checkout with {config} as shipped"},
+            "engines": {BASELINE: f"commit {BASELINE} with its own {SMOLLM2_CONFIG}", "shipped": ours},
             "cpu_kind": kind, "kernels": kernels, "date": time.strftime("%Y-%m-%d"), "command": command, **measured}
 
 
@@ -168,21 +180,25 @@ def config_suffix(config: str) -> str:
 def smollm2_floor(args, kind: str, suffix: str) -> dict:
     """`--smollm2-floor`: the step's floor, 7b49006 and this checkout's `--config` in turn, `--rounds` rounds."""
     args.config = config_path(args.config)
-    out = args.out_dir / f"smollm2_step_floor_{suffix}{config_suffix(args.config)}.json"
+    precision_suffix = "" if args.matmul_precision == "ieee" else f"_{args.matmul_precision}_products"
+    out = args.out_dir / f"smollm2_step_floor_{suffix}{config_suffix(args.config)}{precision_suffix}.json"
     if out.exists():  # a record is evidence: never overwritten
         sys.exit(f"speed_targets: {out} exists; move it aside (e.g. to a name ending _at_<commit>) first")
     env, env_words = run_env(args.kernels)
     print(f"CPU kind {kind}, kernels {args.kernels}: record {out.name}", flush=True)
     print(f"SmolLM2: the floor, {BASELINE} and {args.config} in turn, {args.rounds} rounds", flush=True)
     measured = with_baseline(lambda baseline_dir: side_by_side(baseline_dir, args.rounds, env, args.kernels,
-                                                               floor=True, config=args.config))
+                                                               floor=True, config=args.config,
+                                                               precision=args.matmul_precision))
     named = "" if args.config == SMOLLM2_CONFIG else f" --config {args.config}"
+    if args.matmul_precision != "ieee":
+        named += f" --matmul-precision {args.matmul_precision}"
     record = smollm2_record("the step's passes alone (tools/bench_floor.py --work smollm2: bare transformers/peft "
                             f"calls over the padded batch of {SMOLLM2_CONFIG}, dense fp32, MKL), {BASELINE} and "
                             f"this checkout's {args.config}",
                             kind, args.kernels, f"{env_words + ' ' if env_words else ''}python tools/speed_targets.py "
                             f"--smollm2-floor --kernels {args.kernels} --rounds {args.rounds}{named}", measured,
-                            config=args.config)
+                            config=args.config, precision=args.matmul_precision)
     out.write_text(json.dumps(record, indent=1) + "\n")
     r = measured["ratios"]
     show = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
@@ -205,7 +221,13 @@ def main(argv=None):
     parser.add_argument("--config", default=SMOLLM2_CONFIG,
                         help="with --smollm2-floor: the config this checkout runs (under configs/smollm2/; the "
                              f"record's name ends _<its stem>); the engine at {BASELINE} runs its own {SMOLLM2_CONFIG}")
+    parser.add_argument("--matmul-precision", choices=("ieee", "bf16", "bf16_with_attention"), default="ieee",
+                        help="with --smollm2-floor: this checkout's fp32 products at bf16 precision "
+                             "(tools/bench_step.py --matmul-precision; old_logprobs: recompute); the record's name "
+                             "ends _<precision>_products")
     args = parser.parse_args(argv)
+    if not args.smollm2_floor and args.matmul_precision != "ieee":
+        parser.error("--matmul-precision is for --smollm2-floor: the targets are judged on fp32 products")
     if not args.smollm2_floor and not args.trl_python:
         parser.error("--trl-python is required (or --smollm2-floor)")
     if not args.smollm2_floor and config_path(args.config) != SMOLLM2_CONFIG:
