@@ -80,14 +80,20 @@ def test_the_rule_sees_a_path_trick_and_not_the_repository_root():
     assert imported_modules("from bench_ppo import machine\nimport marlhf_edu.records\n") == {"bench_ppo", "marlhf_edu"}
 
 
+def _tool(name: str):
+    """tools/<name>.py as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_compare_trl_summarises_repeats_by_their_median():
     """`compare_trl.py --repeats N`: per case and label, every repeat's trl ÷ ours, the median, and the repeat
     whose ratio is the median (the run whose phases the chapter draws)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("compare_trl", TOOLS / "compare_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _tool("compare_trl")
 
     def run(case, label, repeat, ours, trl):
         return {"case": case, "repeat": repeat, "ours": {"label": label, "step_s": ours}, "trl": {"step_s": trl},
@@ -106,15 +112,11 @@ def test_every_setting_compare_trl_times_is_a_config_its_engine_accepts(tmp_path
     """Each (label, command, overrides) of `compare_trl.OURS`, the CPU-options rows included, parses with the tiny
     config, validates, and passes its backend's `check_config`: a setting the engine refuses would fail only
     after trl's run, in the middle of a comparison."""
-    import importlib.util
-
     from marlhf_edu.ppo import FourModelBackend, PPOConfig
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
     from marlhf_edu.training.args import parse_stage_args
 
-    spec = importlib.util.spec_from_file_location("compare_trl", TOOLS / "compare_trl.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _tool("compare_trl")
     backends = {"ppo": FourModelBackend, "ma-ppo": MultiAdapterBackend}
     settings = [s for case in module.OURS.values() for s in case]
     assert sum(label.endswith("CPU options") for label, _, _ in settings) == 2
@@ -127,12 +129,7 @@ def test_every_setting_compare_trl_times_is_a_config_its_engine_accepts(tmp_path
 
 
 def _speed_targets():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("speed_targets", TOOLS / "speed_targets.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _tool("speed_targets")
 
 
 def test_speed_targets_names_the_cpu_kind_by_its_widest_vector_set():
@@ -222,11 +219,7 @@ def test_speed_targets_floor_is_paired_with_the_engines_of_its_own_round(tmp_pat
 
 
 def test_bench_floor_compares_with_trl_on_the_tiny_work_only():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_floor", TOOLS / "bench_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _tool("bench_floor")
     with pytest.raises(SystemExit) as exit_:
         module.main(["--work", "smollm2", "--compare", "benchmarks/speed_vs_trl.json"])
     assert exit_.value.code == 2
@@ -283,15 +276,6 @@ def test_records_name_the_cpu_features_that_pick_kernels():
         assert set(here["cpu_flags"]) <= set(VECTOR_FLAGS) and "cpu_mhz_reported" in here
 
 
-def _bench_step():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_step", TOOLS / "bench_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_step_matmul_precision_rounds_products_keeps_attention_and_restores():
     """`--matmul-precision bf16`: inside the block a product equals the fp32 product of bf16-rounded inputs (not the
     fp32 one), attention is computed as outside it, and torch's setting and function are restored after (also on
@@ -301,7 +285,7 @@ def test_bench_step_matmul_precision_rounds_products_keeps_attention_and_restore
 
     from marlhf_edu.loading.cpu_products import native_low_precision_products
 
-    module = _bench_step()
+    module = _tool("bench_step")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 256, generator=g), torch.randn(128, 256, generator=g)
     q, k, v = (torch.randn(2, 9, 112, 64, generator=g) for _ in range(3))  # SmolLM2's heads: at 16 tokens bf16 is unused
@@ -313,10 +297,12 @@ def test_bench_step_matmul_precision_rounds_products_keeps_attention_and_restore
         inside, inside_attention = F.linear(x, w), F.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"  # the attention wrapper put it back
     assert torch.backends.mkldnn.matmul.fp32_precision == before and F.scaled_dot_product_attention is attention
-    with pytest.raises(RuntimeError), module.matmul_precision("bf16_with_attention"):
+    with pytest.raises(RuntimeError), module.matmul_precision("bf16"):
+        raise RuntimeError("a step failed")
+    assert torch.backends.mkldnn.matmul.fp32_precision == before and F.scaled_dot_product_attention is attention
+    with module.matmul_precision("bf16_with_attention"):
         assert F.scaled_dot_product_attention is attention
         all_bf16_attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        raise RuntimeError("a step failed")
     assert torch.backends.mkldnn.matmul.fp32_precision == before
     with pytest.raises(ValueError, match="one of"), module.matmul_precision("tf32"):
         pass
@@ -359,3 +345,18 @@ def test_speed_targets_passes_the_precision_to_this_side_only(tmp_path, monkeypa
     with pytest.raises(SystemExit) as exit_:
         module.main(["--trl-python", "python", "--matmul-precision", "bf16", "--out-dir", str(tmp_path)])
     assert exit_.value.code == 2
+
+
+def test_bench_step_refuses_bf16_precision_before_loading(monkeypatch):
+    """`--matmul-precision bf16` with old_logprobs: sampler, or on a CPU that lists neither AVX512-BF16 nor AMX-BF16
+    (PyTorch's own check passes plain AVX-512), exits before any model loads."""
+    module = _tool("bench_step")
+    config = str(ROOT / "configs" / "smollm2" / "ma_ppo.yaml")  # old_logprobs: sampler; loading it would take seconds
+    with pytest.raises(SystemExit, match="old_logprobs: sampler"):
+        module.bench_steps("ma-ppo", config, 1, [], "bf16")
+    flags = "processor : 0\nflags : fpu avx2 avx512f avx512bw avx512vl {}\n"
+    assert not module.bf16_instructions(flags.format(""))
+    assert module.bf16_instructions(flags.format("avx512_bf16")) and module.bf16_instructions(flags.format("amx_bf16"))
+    monkeypatch.setattr(module, "bf16_instructions", lambda: False)
+    with pytest.raises(SystemExit, match="AVX512-BF16 or AMX"):
+        module.bench_steps("ma-ppo", config, 1, ["--old_logprobs", "recompute"], "bf16")

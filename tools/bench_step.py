@@ -34,7 +34,7 @@ import pathlib
 import tempfile
 import time
 
-from marlhf_edu.records import machine, measured_on, write_result
+from marlhf_edu.records import cpu_features, machine, measured_on, write_result
 
 PHASE_KEYS = ("generate", "score", "policy", "reference", "update")
 #: what each step trained, kept beside its times: two runs of one seed can be compared step by step
@@ -49,8 +49,8 @@ def matmul_precision(precision: str):
     """PyTorch's fp32 matrix products at `precision` inside the block, restored after (see the module docstring).
 
     With "bf16", `torch.nn.functional.scaled_dot_product_attention` runs at "ieee": under bf16 PyTorch's CPU flash
-    attention took 7x as long on a 2-core Intel Xeon with AMX (one profiled SmolLM2 step), more than the products
-    gained. transformers' SDPA attention looks that function up on every call, so the wrapper is what it runs."""
+    attention took 7x as long on a 2-core Intel Xeon with AMX (one profiled SmolLM2 step, not recorded), more than
+    the products gained. transformers' SDPA attention looks that function up on every call, so the wrapper is what it runs."""
     import torch
     import torch.nn.functional as F
 
@@ -76,13 +76,22 @@ def matmul_precision(precision: str):
         backend.fp32_precision, F.scaled_dot_product_attention = before, attention
 
 
+def bf16_instructions(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU lists AVX512-BF16 or AMX-BF16 (`/proc/cpuinfo`, or `cpuinfo`): the instructions bf16 precision
+    runs on. PyTorch's own check also passes AVX-512 without them (emulated bf16), which is not what is measured."""
+    if cpuinfo is None:
+        path = pathlib.Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_features(cpuinfo)["cpu_flags"]))
+
+
 def bench_steps(command: str, config_path: str, steps: int, overrides: list[str], precision: str = "ieee") -> dict:
     """Run `steps` PPO steps of `command` (`ppo` or `ma-ppo`) with `config_path` and `overrides`, fp32 products at
     `precision` (`matmul_precision`); every step's record."""
     import torch
 
     from marlhf_edu.data.prompts import load_prompts
-    from marlhf_edu.loading.cpu_products import fp32_products_where_needed, native_low_precision_products
+    from marlhf_edu.loading.cpu_products import fp32_products_where_needed
     from marlhf_edu.ppo import FourModelBackend, PPOConfig, PPOTrainer
     from marlhf_edu.ppo.multi_adapter import MultiAdapterBackend
     from marlhf_edu.training.args import parse_stage_args
@@ -99,9 +108,10 @@ def bench_steps(command: str, config_path: str, steps: int, overrides: list[str]
                 raise SystemExit(f"bench_step: --matmul-precision {precision} with old_logprobs: sampler would take "
                                  "the PPO ratio against the sampler's bf16-rounded log-probs; add -- --old_logprobs "
                                  "recompute")
-            if config.resolved_device != "cpu" or not native_low_precision_products(torch.bfloat16):
-                raise SystemExit(f"bench_step: --matmul-precision {precision} is for a CPU with bf16 matrix kernels "
-                                 "(AVX-512 or AMX); this run has none")
+            if config.resolved_device != "cpu" or not bf16_instructions():
+                raise SystemExit(f"bench_step: --matmul-precision {precision} is for a CPU run on a CPU with bf16 "
+                                 "instructions (AVX512-BF16 or AMX); /proc/cpuinfo lists neither, or the run is not "
+                                 "on the CPU")
         torch.manual_seed(config.seed)
         with matmul_precision(precision):
             start = time.perf_counter()
@@ -142,9 +152,10 @@ def main(argv=None):
 
     result = bench_steps(args.command, args.config, args.steps, args.extra, args.matmul_precision)
     cfg = result["config"]
+    precision = "" if args.matmul_precision == "ieee" else f" (tools/bench_step.py --matmul-precision {args.matmul_precision})"
     summary = {
-        "label": args.label or f"{args.command} {args.config} {' '.join(args.extra)}".strip(),
-        "command": f"marlhf-edu {args.command} --config {args.config} {' '.join(args.extra)}".strip(),
+        "label": args.label or " ".join([args.command, args.config, *args.extra]) + precision,
+        "command": " ".join(["marlhf-edu", args.command, "--config", args.config, *args.extra]) + precision,
         "shape": {"batch_size": cfg.batch_size, "mini_batch_size": cfg.mini_batch_size,
                   "forward_batch_size": cfg.forward_batch_size, "max_new_tokens": cfg.max_new_tokens,
                   "ppo_epochs": cfg.ppo_epochs},
