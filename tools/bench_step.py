@@ -50,7 +50,8 @@ def matmul_precision(precision: str):
 
     With "bf16", `torch.nn.functional.scaled_dot_product_attention` runs at "ieee": under bf16 PyTorch's CPU flash
     attention took 7x as long on a 2-core Intel Xeon with AMX (one profiled SmolLM2 step, not recorded), more than
-    the products gained. transformers' SDPA attention looks that function up on every call, so the wrapper is what it runs."""
+    the products gained. transformers' SDPA attention looks that function up on every call, so the wrapper is what
+    it runs."""
     import torch
     import torch.nn.functional as F
 
@@ -152,7 +153,8 @@ def main(argv=None):
 
     result = bench_steps(args.command, args.config, args.steps, args.extra, args.matmul_precision)
     cfg = result["config"]
-    precision = "" if args.matmul_precision == "ieee" else f" (tools/bench_step.py --matmul-precision {args.matmul_precision})"
+    precision = ("" if args.matmul_precision == "ieee"
+                 else f" (tools/bench_step.py --matmul-precision {args.matmul_precision})")
     summary = {
         "label": args.label or " ".join([args.command, args.config, *args.extra]) + precision,
         "command": " ".join(["marlhf-edu", args.command, "--config", args.config, *args.extra]) + precision,
