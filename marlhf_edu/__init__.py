@@ -7,6 +7,7 @@ imported on demand.
 
 from __future__ import annotations
 
+from marlhf_edu.loading.mkl_vml import resolve_vml_dispatch
 from marlhf_edu.loading.quantization import quiet_bitsandbytes_cpu_notice
 from marlhf_edu.math.gae import gae_advantages, gae_advantages_reference
 from marlhf_edu.math.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_level_rewards
@@ -17,6 +18,9 @@ from marlhf_edu.math.policy_gradient import (effective_sample_size, importance_w
 from marlhf_edu.math.ppo_objective import policy_loss, ppo_loss, value_loss
 from marlhf_edu.math.reward import llama2_reward_select, pairwise_reward_loss
 
+# Before any parallel cos, exp, log, ...: oneMKL chooses each function's kernel at its first call, and a first call
+# on several threads at once can compute one thread's chunk at low accuracy (loading/mkl_vml.py).
+resolve_vml_dispatch()
 # Before peft/trl import bitsandbytes: its CPU-kernel notice would reach stored outputs on some CPUs only.
 quiet_bitsandbytes_cpu_notice()
 

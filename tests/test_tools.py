@@ -362,3 +362,38 @@ def test_bench_step_refuses_bf16_precision_before_loading(monkeypatch):
     monkeypatch.setattr(module, "bf16_instructions", lambda: False)
     with pytest.raises(SystemExit, match="AVX512-BF16 or AMX"):
         module.bench_steps("ma-ppo", config, 1, ["--old_logprobs", "recompute"], "bf16")
+
+
+def test_replay_check_groups_runs_by_their_whole_record_sequence():
+    replay = _tool("replay_check")
+    a = [{"step": 1, "kl/k1": 1e-4, "rollout/logprob_gap": 6e-6, "score/mean": 3.0}, {"step": 2, "kl/k1": 0.05}]
+    b = [dict(a[0]), {"step": 2, "kl/k1": 0.050001}]  # step 1 equal, step 2 not: another sequence
+    groups = replay.variants([{"hash_seed": 0, "records": a}, {"hash_seed": 1, "records": b},
+                              {"hash_seed": 2, "records": [dict(r) for r in a]}])
+    assert [g["hash_seeds"] for g in groups] == [[0, 2], [1]]
+    assert groups[0]["step1"] == {"kl/k1": 1e-4, "rollout/logprob_gap": 6e-6, "score/mean": 3.0}
+    assert len(replay.variants([{"hash_seed": 0, "records": a}, {"hash_seed": 1, "records": a}])) == 1
+
+
+def test_replay_check_runs_fresh_processes_without_timings_and_sets_the_control_switch(tmp_path, monkeypatch):
+    replay = _tool("replay_check")
+    seen = []
+
+    def fake_run(argv, env, capture_output, text):
+        out = pathlib.Path(argv[argv.index("--output_dir") + 1])
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"step": 1, "kl/k1": 0.1, "time/step_s": 20.0}\n')
+        seen.append((argv, env))
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    monkeypatch.setattr(replay.subprocess, "run", fake_run)
+    monkeypatch.setenv("MARLHF_EDU_VML_WARMUP", "0")  # a caller's own setting never reaches the shipped case
+    assert replay.run_once("ma-ppo", "c.yaml", 2, 3, True, ["--seed", "1"]) == [{"step": 1, "kl/k1": 0.1}]
+    argv, env = seen[-1]
+    assert env["PYTHONHASHSEED"] == "3" and "MARLHF_EDU_VML_WARMUP" not in env
+    assert argv[argv.index("--total_steps") + 1] == "2" and argv[-2:] == ["--seed", "1"]
+    assert argv[argv.index("--eval_repeats") + 1] == "0" and argv[argv.index("--eval_every") + 1] == "0"
+    assert pathlib.Path(argv[0]).name == "marlhf-edu"  # the console script, as a user starts a run
+    replay.run_once("ma-ppo", "c.yaml", 2, 0, False, [], launcher="module")
+    assert seen[-1][1]["MARLHF_EDU_VML_WARMUP"] == "0"
+    assert seen[-1][0][1:4] == ["-m", "marlhf_edu.cli", "ma-ppo"]
