@@ -5,6 +5,7 @@ the index, `tools/README.md`, names every script."""
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 
 import pytest
@@ -364,36 +365,76 @@ def test_bench_step_refuses_bf16_precision_before_loading(monkeypatch):
         module.bench_steps("ma-ppo", config, 1, ["--old_logprobs", "recompute"], "bf16")
 
 
-def test_replay_check_groups_runs_by_their_whole_record_sequence():
+def test_replay_check_groups_runs_by_their_whole_record_sequence_across_cases():
     replay = _tool("replay_check")
     a = [{"step": 1, "kl/k1": 1e-4, "rollout/logprob_gap": 6e-6, "score/mean": 3.0}, {"step": 2, "kl/k1": 0.05}]
     b = [dict(a[0]), {"step": 2, "kl/k1": 0.050001}]  # step 1 equal, step 2 not: another sequence
+    sequences = []
     groups = replay.variants([{"hash_seed": 0, "records": a}, {"hash_seed": 1, "records": b},
-                              {"hash_seed": 2, "records": [dict(r) for r in a]}])
-    assert [g["hash_seeds"] for g in groups] == [[0, 2], [1]]
+                              {"hash_seed": 2, "records": [dict(r) for r in a]}], sequences)
+    assert [(g["sequence"], g["hash_seeds"]) for g in groups] == [(0, [0, 2]), (1, [1])]
     assert groups[0]["step1"] == {"kl/k1": 1e-4, "rollout/logprob_gap": 6e-6, "score/mean": 3.0}
-    assert len(replay.variants([{"hash_seed": 0, "records": a}, {"hash_seed": 1, "records": a}])) == 1
+    assert sequences == [a, b]
+    # a second case's runs are numbered against the same sequences: equal to the first case's, or new
+    c = [dict(a[0], **{"kl/k1": 3e-4}), a[1]]
+    control = replay.variants([{"hash_seed": 0, "records": b}, {"hash_seed": 1, "records": c}], sequences)
+    assert [(g["sequence"], g["hash_seeds"]) for g in control] == [(1, [0]), (2, [1])]
+
+
+def _fake_stage_run(seen, records_text='{"step": 1, "kl/k1": 0.1, "time/step_s": 20.0}\n'):
+    def fake_run(argv, env, capture_output, text):
+        out = pathlib.Path(argv[argv.index("--output_dir") + 1])
+        out.mkdir(parents=True)
+        (out / "metrics.jsonl").write_text(records_text)
+        seen.append((argv, env))
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+    return fake_run
 
 
 def test_replay_check_runs_fresh_processes_without_timings_and_sets_the_control_switch(tmp_path, monkeypatch):
     replay = _tool("replay_check")
     seen = []
-
-    def fake_run(argv, env, capture_output, text):
-        out = pathlib.Path(argv[argv.index("--output_dir") + 1])
-        out.mkdir(parents=True)
-        (out / "metrics.jsonl").write_text('{"step": 1, "kl/k1": 0.1, "time/step_s": 20.0}\n')
-        seen.append((argv, env))
-        return type("Done", (), {"returncode": 0, "stderr": ""})()
-
-    monkeypatch.setattr(replay.subprocess, "run", fake_run)
+    monkeypatch.setattr(replay.subprocess, "run", _fake_stage_run(seen))
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    (python.parent / "marlhf-edu").write_text("")  # the console script an install puts next to its Python
+    monkeypatch.setattr(replay.sys, "executable", str(python))
     monkeypatch.setenv("MARLHF_EDU_VML_WARMUP", "0")  # a caller's own setting never reaches the shipped case
-    assert replay.run_once("ma-ppo", "c.yaml", 2, 3, True, ["--seed", "1"]) == [{"step": 1, "kl/k1": 0.1}]
+    assert replay.run_once("ma-ppo", "c.yaml", 1, 3, True, ["--seed", "1"]) == [{"step": 1, "kl/k1": 0.1}]
     argv, env = seen[-1]
     assert env["PYTHONHASHSEED"] == "3" and "MARLHF_EDU_VML_WARMUP" not in env
-    assert argv[argv.index("--total_steps") + 1] == "2" and argv[-2:] == ["--seed", "1"]
+    assert argv[0] == str(python.parent / "marlhf-edu")  # the console script, as a user starts a run
+    assert argv[argv.index("--total_steps") + 1] == "1" and argv[-2:] == ["--seed", "1"]
     assert argv[argv.index("--eval_repeats") + 1] == "0" and argv[argv.index("--eval_every") + 1] == "0"
-    assert pathlib.Path(argv[0]).name == "marlhf-edu"  # the console script, as a user starts a run
-    replay.run_once("ma-ppo", "c.yaml", 2, 0, False, [], launcher="module")
+    replay.run_once("ma-ppo", "c.yaml", 1, 0, False, [], launcher="module")
     assert seen[-1][1]["MARLHF_EDU_VML_WARMUP"] == "0"
     assert seen[-1][0][1:4] == ["-m", "marlhf_edu.cli", "ma-ppo"]
+    with pytest.raises(SystemExit, match="wrote 1 step records, not 2"):  # a run that stopped early
+        replay.run_once("ma-ppo", "c.yaml", 2, 0, True, [])
+    (python.parent / "marlhf-edu").unlink()
+    with pytest.raises(SystemExit, match="no console script"):
+        replay.run_once("ma-ppo", "c.yaml", 1, 0, True, [])
+
+
+def test_replay_check_records_each_case_against_shared_sequences_and_refuses_its_own_options(tmp_path, monkeypatch):
+    replay = _tool("replay_check")
+    config = tmp_path / "c.yaml"
+    config.write_text("seed: 0\n")
+
+    def fake_run_once(command, config, steps, hash_seed, warmup, extra, launcher):
+        k1 = 1e-4 if warmup or hash_seed < 2 else 3e-4  # the control loses the race from hash seed 2 on
+        return [{"step": s, "kl/k1": k1} for s in range(1, steps + 1)]
+
+    monkeypatch.setattr(replay, "run_once", fake_run_once)
+    out = tmp_path / "r.json"
+    replay.main(["--config", str(config), "--runs", "3", "--steps", "2", "--control", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["cases"]["shipped"]["replayed"] is True
+    assert record["cases"]["vml_warmup_off"]["replayed"] is False
+    assert [(g["sequence"], g["hash_seeds"]) for g in record["cases"]["vml_warmup_off"]["variants"]] == [(0, [0, 1]),
+                                                                                                       (1, [2])]
+    assert len(record["sequences"]) == 2 and record["launcher"] == "marlhf-edu"
+    assert record["command"].startswith("python tools/replay_check.py --config ")
+    for bad in (["--runs", "0"], ["--steps", "0"], ["--output_dir", "x"], ["--total-steps=3"]):
+        with pytest.raises(SystemExit):
+            replay.main(["--config", str(config), *bad])

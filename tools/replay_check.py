@@ -3,12 +3,13 @@
     python tools/replay_check.py --config configs/smollm2/ma_ppo.yaml --runs 6 --steps 2 [--control] [--out FILE]
 
 Each run is a fresh `marlhf-edu <command> --config FILE --total_steps STEPS` process (the console script next to
-this Python, as a user starts it; `--launcher module` starts `python -m marlhf_edu.cli` instead) with the held-out evaluations
-off (`--eval_repeats 0 --eval_every 0`), its own `PYTHONHASHSEED` (0, 1, 2, ...: Python's hashing differs between
-processes anyway) and a temporary output folder. Two runs replay each other when every step's record of
-`metrics.jsonl` is equal, timings (`time/*`) aside, to the last digit JSON holds. The result names the distinct
-record sequences and which runs gave each, with step 1's `kl/k1`, `rollout/logprob_gap` and `score/mean`: one
-sequence means every run replayed the first.
+this Python, as a user starts it; `--launcher module` starts `python -m marlhf_edu.cli` instead) with the held-out
+evaluations off (`--eval_repeats 0 --eval_every 0`), its own `PYTHONHASHSEED` (0, 1, 2, ...: Python's hashing
+differs between processes anyway) and a temporary output folder; stage overrides it does not know are passed on.
+Two runs replay each other when every step's record of `metrics.jsonl` is equal, timings (`time/*`) aside, to the
+last digit JSON holds. The result stores each distinct record sequence once (`sequences`, over all cases) and, per
+case, which runs gave which sequence, with step 1's `kl/k1`, `rollout/logprob_gap` and `score/mean`: one sequence
+in a case means every run of it replayed the first.
 
 `--control` runs every hash seed twice in turn: as shipped, then with `MARLHF_EDU_VML_WARMUP=0` (the package's
 one-thread warm-up of MKL's vector functions off, `marlhf_edu/loading/mkl_vml.py`). The site's engine guide reads
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,8 @@ import time
 from marlhf_edu.records import machine, measured_on, write_result
 
 SHOWN = ("kl/k1", "rollout/logprob_gap", "score/mean")
+#: options the tool sets on every run itself
+OWN_OPTIONS = ("--total_steps", "--eval_repeats", "--eval_every", "--save_steps", "--output_dir", "--config")
 
 
 def launcher_argv(launcher: str) -> list[str]:
@@ -58,20 +62,24 @@ def run_once(command: str, config: str, steps: int, hash_seed: int, warmup: bool
             raise SystemExit(f"replay_check: run with PYTHONHASHSEED={hash_seed} failed ({done.returncode}):\n"
                              f"{done.stderr[-2000:]}")
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if len(records) != steps:
+        raise SystemExit(f"replay_check: run with PYTHONHASHSEED={hash_seed} wrote {len(records)} step records, "
+                         f"not {steps}")
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
 
-def variants(runs: list[dict]) -> list[dict]:
-    """The distinct record sequences of `runs`, each with the runs that gave it and step 1's `SHOWN` values."""
-    groups: list[dict] = []
+def variants(runs: list[dict], sequences: list[list[dict]]) -> list[dict]:
+    """Which record sequence each of `runs` gave: each sequence's index in `sequences` (a new one appended), the
+    runs that gave it and step 1's `SHOWN` values, in order of first appearance."""
+    groups: dict[int, dict] = {}
     for run in runs:
-        for group in groups:
-            if group["records"] == run["records"]:
-                group["hash_seeds"].append(run["hash_seed"])
-                break
-        else:
-            groups.append({"records": run["records"], "hash_seeds": [run["hash_seed"]]})
-    return [{"hash_seeds": g["hash_seeds"], "step1": {k: g["records"][0].get(k) for k in SHOWN}} for g in groups]
+        if run["records"] not in sequences:
+            sequences.append(run["records"])
+        index = sequences.index(run["records"])
+        groups.setdefault(index, {"sequence": index, "hash_seeds": [],
+                                  "step1": {k: run["records"][0].get(k) for k in SHOWN}})["hash_seeds"].append(
+            run["hash_seed"])
+    return list(groups.values())
 
 
 def main(argv=None):
@@ -87,6 +95,13 @@ def main(argv=None):
     args, extra = parser.parse_known_args(argv)
     if not pathlib.Path(args.config).is_file():
         raise SystemExit(f"replay_check: no config file {args.config}")
+    if args.runs < 1 or args.steps < 1:
+        raise SystemExit(f"replay_check: --runs and --steps must be at least 1 (got {args.runs} and {args.steps})")
+    taken = [a for a in extra if a.split("=")[0].replace("-", "_").lstrip("_") in
+             {o.lstrip("-") for o in OWN_OPTIONS}]
+    if taken:
+        raise SystemExit(f"replay_check: {taken} are set by the tool itself (--steps, a temporary folder, evaluations "
+                         "off); leave them out")
     cases = {"shipped": True, **({"vml_warmup_off": False} if args.control else {})}
     runs = {case: [] for case in cases}
     started = time.time()
@@ -96,10 +111,16 @@ def main(argv=None):
             runs[case].append({"hash_seed": seed, "records": records})
             print(f"[{time.time() - started:5.0f} s] {case}, PYTHONHASHSEED={seed}: step 1 "
                   + ", ".join(f"{k} {records[0].get(k)}" for k in SHOWN), flush=True)
-    result = {"command": "python tools/replay_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    sequences: list[list[dict]] = []
+    cases_result = {}
+    for case, case_runs in runs.items():
+        found = variants(case_runs, sequences)
+        cases_result[case] = {"replayed": len(found) == 1, "variants": found}
+    result = {"command": shlex.join(["python", "tools/replay_check.py", *(argv if argv is not None else sys.argv[1:])]),
               "date": time.strftime("%Y-%m-%d"), "measured_on": measured_on(), "machine": machine(),
-              "steps": args.steps, "runs": args.runs, "launcher": " ".join(launcher_argv(args.launcher)),
-              "cases": {case: {"replayed": len(variants(r)) == 1, "variants": variants(r)} for case, r in runs.items()}}
+              "steps": args.steps, "runs": args.runs,
+              "launcher": "marlhf-edu" if args.launcher == "script" else "python -m marlhf_edu.cli",
+              "cases": cases_result, "sequences": sequences}
     print(json.dumps(result["cases"], indent=1))
     write_result(args.out, result)
 
