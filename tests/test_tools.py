@@ -435,6 +435,11 @@ def test_replay_check_records_each_case_against_shared_sequences_and_refuses_its
                                                                                                        (1, [2])]
     assert len(record["sequences"]) == 2 and record["launcher"] == "marlhf-edu"
     assert record["command"].startswith("python tools/replay_check.py --config ")
-    for bad in (["--runs", "0"], ["--steps", "0"], ["--output_dir", "x"], ["--total-steps=3"]):
-        with pytest.raises(SystemExit):
+    assert set(record["run_environment"]) == {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}
+    for bad, why in ((["--runs", "0"], "at least 1"), (["--steps", "0"], "at least 1"),
+                     (["--output_dir", "x"], "set by the tool itself"), (["--total-steps=3"], "set by the tool itself"),
+                     (["--output-dir=x"], "set by the tool itself")):
+        with pytest.raises(SystemExit, match=why):
             replay.main(["--config", str(config), *bad])
+    # a value that reads like an option's name is passed on, not refused
+    replay.main(["--config", str(config), "--runs", "1", "--steps", "1", "--dataset_name", "output_dir"])

@@ -4,12 +4,13 @@
 
 Each run is a fresh `marlhf-edu <command> --config FILE --total_steps STEPS` process (the console script next to
 this Python, as a user starts it; `--launcher module` starts `python -m marlhf_edu.cli` instead) with the held-out
-evaluations off (`--eval_repeats 0 --eval_every 0`), its own `PYTHONHASHSEED` (0, 1, 2, ...: Python's hashing
-differs between processes anyway) and a temporary output folder; stage overrides it does not know are passed on.
-Two runs replay each other when every step's record of `metrics.jsonl` is equal, timings (`time/*`) aside, to the
-last digit JSON holds. The result stores each distinct record sequence once (`sequences`, over all cases) and, per
-case, which runs gave which sequence, with step 1's `kl/k1`, `rollout/logprob_gap` and `score/mean`: one sequence
-in a case means every run of it replayed the first.
+evaluations off (`--eval_repeats 0 --eval_every 0`, `--save_steps` past the last step), its own `PYTHONHASHSEED`
+(0, 1, 2, ...: Python's hashing differs between processes anyway) and a temporary output folder; stage overrides
+it does not know are passed on. Two runs replay each other when every step's record of `metrics.jsonl` is equal,
+timings (`time/*`) aside, to the last digit JSON holds. The result stores each distinct record sequence once
+(`sequences`, over all cases) and, per case, which runs gave which sequence, with step 1's `kl/k1`,
+`rollout/logprob_gap` and `score/mean` (one sequence in a case: every run of it replayed the first), the thread
+settings the runs inherited and the oneMKL build.
 
 `--control` runs every hash seed twice in turn: as shipped, then with `MARLHF_EDU_VML_WARMUP=0` (the package's
 one-thread warm-up of MKL's vector functions off, `marlhf_edu/loading/mkl_vml.py`). The site's engine guide reads
@@ -28,11 +29,13 @@ import sys
 import tempfile
 import time
 
+import torch
+
 from marlhf_edu.records import machine, measured_on, write_result
 
 SHOWN = ("kl/k1", "rollout/logprob_gap", "score/mean")
-#: options the tool sets on every run itself
-OWN_OPTIONS = ("--total_steps", "--eval_repeats", "--eval_every", "--save_steps", "--output_dir", "--config")
+#: options the tool sets on every run itself (`--config` is its own argument, so never among the passed-on ones)
+OWN_OPTIONS = ("--total_steps", "--eval_repeats", "--eval_every", "--save_steps", "--output_dir")
 
 
 def launcher_argv(launcher: str) -> list[str]:
@@ -97,7 +100,7 @@ def main(argv=None):
         raise SystemExit(f"replay_check: no config file {args.config}")
     if args.runs < 1 or args.steps < 1:
         raise SystemExit(f"replay_check: --runs and --steps must be at least 1 (got {args.runs} and {args.steps})")
-    taken = [a for a in extra if a.split("=")[0].replace("-", "_").lstrip("_") in
+    taken = [a for a in extra if a.startswith("--") and a.split("=")[0].replace("-", "_").lstrip("_") in
              {o.lstrip("-") for o in OWN_OPTIONS}]
     if taken:
         raise SystemExit(f"replay_check: {taken} are set by the tool itself (--steps, a temporary folder, evaluations "
@@ -120,6 +123,10 @@ def main(argv=None):
               "date": time.strftime("%Y-%m-%d"), "measured_on": measured_on(), "machine": machine(),
               "steps": args.steps, "runs": args.runs,
               "launcher": "marlhf-edu" if args.launcher == "script" else "python -m marlhf_edu.cli",
+              # what the runs inherited: the thread settings (unset: torch takes every CPU) and the oneMKL build
+              "run_environment": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+              "onemkl": next((line.strip(" -") for line in torch.__config__.show().splitlines()
+                              if "Math Kernel Library" in line), None),
               "cases": cases_result, "sequences": sequences}
     print(json.dumps(result["cases"], indent=1))
     write_result(args.out, result)

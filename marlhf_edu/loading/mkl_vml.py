@@ -8,12 +8,14 @@ low-accuracy kernel on its whole chunk of that one call; the next call is correc
 reported on oneMKL 2024.2, the version torch 2.13.0's CPU wheel bundles: Build 20240605).
 
 In this engine (`configs/smollm2/ma_ppo.yaml`, 2 threads, a 2-core Intel Xeon with AVX512-BF16, torch 2.13.0+cpu)
-the first such call is RoPE's cos in the first rollout's prefill: 8 prompts × 62 positions × 64 columns (32
-frequencies, twice). In diagnostic runs (no record kept) it had errors up to 1.5e-4 in one thread's half of the
-rows (at most 6e-8 from the fp64 value otherwise, and in every later call) in 6 of 12 fresh processes with the
-warm-up below off, in none of 10 with it on. The tokens drawn were the same, the log-probs the sampler recorded
-were not, and from there the runs of one seed drift apart. `python tools/replay_check.py --control`
-(`benchmarks/replay_smollm2_intel_xeon_avx512bf16.json`) measures the runs themselves.
+the first such call is RoPE's cos in the first rollout's prefill. In diagnostic runs (no record kept): a first
+`generate` of 8 of its prompts computed that cos (8 × 62 positions × 64 columns, 32 frequencies twice) with errors
+up to 1.5e-4 in one thread's half of the rows (at most 6e-8 from the fp64 value otherwise, and in every later
+call) in 6 of 12 fresh processes with the warm-up below off, in none of 10 with it on; in a first rollout of the
+config (16 prompts) one thread's 8 rows of recorded log-probs differed from a repeat's by up to 1.4e-3. The tokens
+drawn were the same, the log-probs the sampler recorded were not, and from there the runs of one seed drift apart.
+`python tools/replay_check.py --control` (`benchmarks/replay_smollm2_intel_xeon_avx512bf16.json`) measures the
+runs themselves.
 
 `resolve_vml_dispatch` calls each of these functions once on a one-element tensor per precision, on the
 calling thread alone (ATen hands a tensor of fewer than 2,048 elements to one thread), so that every later,
