@@ -1,5 +1,15 @@
+import re
+
 import pytest
 import torch
+
+#: a chapter's code cell, fence to fence (MyST: ```{code-cell} ... ```)
+CODE_CELL = re.compile(r"```\{code-cell\}.*?```", re.S)
+
+
+def without_code_cells(markdown: str) -> str:
+    """A chapter's text with its code cells removed: its prose, for the checks that read prose only."""
+    return CODE_CELL.sub("", markdown)
 
 
 @pytest.fixture

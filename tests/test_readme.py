@@ -6,6 +6,8 @@ import pathlib
 import re
 import sys
 
+from tests.conftest import without_code_cells
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -91,7 +93,7 @@ def prose_words(markdown: str) -> int:
     """The `\\w+` tokens of a chapter outside its front matter and code cells (the README's words column); link
     targets, inline code and math count."""
     text = re.sub(r"\A---\n.*?\n---\n", "", markdown, flags=re.S)
-    return len(re.findall(r"\w+", re.sub(r"```\{code-cell\}.*?```", "", text, flags=re.S)))
+    return len(re.findall(r"\w+", without_code_cells(text)))
 
 
 def test_its_word_counts_are_the_prose_rounded_to_hundreds():

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import marlhf_edu
+from tests.conftest import without_code_cells
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("book_tool", ROOT / "tools" / "book.py")
@@ -302,7 +303,7 @@ NOT_HISTORY = ("language-model sessions", "sessions of one language model", "the
 
 def history_phrases(text: str) -> list[str]:
     """The lines of a chapter's prose (code cells left out) with a phrase that tells the project's history."""
-    prose = re.sub(r"```\{code-cell\}.*?```", "", text, flags=re.S)
+    prose = without_code_cells(text)
     found = []
     for line in prose.splitlines():
         kept = line

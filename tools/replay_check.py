@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from marlhf_edu.ppo.trainer import read_metrics
 from marlhf_edu.records import machine, measured_on, write_result
 
 SHOWN = ("kl/k1", "rollout/logprob_gap", "score/mean")
@@ -64,7 +65,7 @@ def run_once(command: str, config: str, steps: int, hash_seed: int, warmup: bool
         if done.returncode != 0:
             raise SystemExit(f"replay_check: run with PYTHONHASHSEED={hash_seed} failed ({done.returncode}):\n"
                              f"{done.stderr[-2000:]}")
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        records = read_metrics(out / "metrics.jsonl")
     if len(records) != steps:
         raise SystemExit(f"replay_check: run with PYTHONHASHSEED={hash_seed} wrote {len(records)} step records, "
                          f"not {steps}")

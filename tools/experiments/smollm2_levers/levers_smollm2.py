@@ -1,0 +1,274 @@
+"""What fused kernels (torch.compile) or bf16 weights could still cut from the SmolLM2 MA-PPO step on this CPU.
+
+    python tools/experiments/smollm2_levers/levers_smollm2.py [--rounds 3] [--out benchmarks/smollm2_levers_<cpu>.json]
+
+First the shipped step itself, in a fresh process (`tools/bench_step.py --command ma-ppo --config
+configs/smollm2/ma_ppo.yaml --steps 3 --skip 1`), for its phases on this machine. Then, on the shipped SFT policy
+as one dense fp32 model (`load_sft_model`: SmolLM2-135M-Instruct with the SFT adapter merged, the weights the
+merged copy samples from, up to NF4's rounding) and on 16 training red-team requests of the config's dataset in
+its chat template, the three kinds of pass a step is made of, each eager in fp32 (what the engine runs) against
+a lever, in turn in every round:
+
+    sample    `generate`, 16 answers of exactly 48 new tokens at T = 0.7 (`min_new_tokens` holds the length, so
+              every case does the same work): fp32 with transformers' dynamic cache; fp32 with a static cache and
+              the model's forward compiled (`torch.compile`, inductor: fused elementwise kernels); bf16 weights
+    forward   one no-grad forward over the 16 sampled rows (prompt + answer), the answers' log-probs read (the
+              step's reference pass; the reward model's is the same size): fp32; fp32 compiled; bf16
+    update    a LoRA (r = 16, alpha 32, every projection, as the config) forward and backward over 8 of the rows
+              with a stand-in loss (one of the step's two minibatches), and AdamW: fp32; fp32 compiled for
+              fixed shapes; fp32 compiled for dynamic shapes
+
+The forwards run the decoder stack over every position and the LM head on the answers' only, as the engine does;
+"compiled" compiles the decoder stack. A compiled case's first call compiles (its seconds are reported apart, and
+not in the rounds); each compiled update is called once more on the other 8 rows cut 8 tokens shorter, to time
+what a minibatch of another shape costs (a fixed-shape graph recompiles).
+
+What bf16 costs in precision, measured on the same rows: the answers' per-token log-probs under bf16 weights
+against fp32 (what a bf16 reference pass would add to k1 at a step where the policy still equals the reference),
+and the shipped reward model's scores of the 16 (prompt, answer + EOS) in bf16 against fp32, next to the spread of
+the fp32 scores. About 15 minutes on 2 cores (Intel Xeon), most of it compiling the update for dynamic shapes.
+Not part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # tools/experiments/<experiment>/<script>.py
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from marlhf_edu.records import cpu_kind, machine, measured_on  # noqa: E402
+
+CONFIG = "configs/smollm2/ma_ppo.yaml"
+ROWS, NEW_TOKENS, MAX_PROMPT, TEMPERATURE, MINIBATCH = 16, 48, 64, 0.7, 8
+SFT, REWARD = "zoo/smollm2_sft_adapter", "zoo/smollm2_reward_adapter"
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def shipped_step() -> dict:
+    """The shipped config's step on this machine: tools/bench_step.py in a fresh process, its JSON summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "step.json"
+        command = [sys.executable, "tools/bench_step.py", "--command", "ma-ppo", "--config", CONFIG,
+                   "--steps", "3", "--skip", "1", "--out", str(out)]
+        subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        record = json.loads(out.read_text())
+    keep = ("steps_averaged", "step_s", "phases_s", "generate_tokens_per_s", "response_length", "measured_on")
+    return {"command": "python tools/bench_step.py --command ma-ppo --config " + CONFIG + " --steps 3 --skip 1",
+            **{k: record[k] for k in keep}}
+
+
+def prompts(tokenizer) -> dict:
+    """16 training red-team requests of the config's dataset in the chat template, left-padded (at most 64 tokens)."""
+    from marlhf_edu.data.keyword_judge import red_team_requests, template_for
+
+    template = template_for(tokenizer, None)
+    rendered = [template.dialogue([(r, None)]) for r in red_team_requests("train")]
+    fits = [t for t in rendered if len(tokenizer(t)["input_ids"]) <= MAX_PROMPT][:ROWS]
+    return tokenizer(fits, return_tensors="pt", padding=True, padding_side="left")
+
+
+def sampler(model, enc, tokenizer, cache: str | None = None):
+    def run():
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return model.generate(**enc, do_sample=True, temperature=TEMPERATURE, top_k=0, top_p=1.0,
+                                  max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  cache_implementation=cache)
+    return run
+
+
+def trunk(model):
+    """The decoder stack (`LlamaModel`) of a causal LM, under a peft wrapper or not: what the engine runs before
+    it applies the LM head to the answer positions only."""
+    return model.base_model.model.model if hasattr(model, "peft_config") else model.model
+
+
+def answer_logprobs(model, ids, mask, prompt_len: int):
+    """(B, R) fp32 log-probs of the answer tokens: the trunk over every position, the LM head on the answer's."""
+    hidden = trunk(model)(input_ids=ids, attention_mask=mask).last_hidden_state[:, prompt_len - 1:-1]
+    logits = model.get_output_embeddings()(hidden).float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_len:, None]).squeeze(-1)
+
+
+def forward(model, ids, mask, prompt_len: int):
+    """The step's no-grad pass over the rows (the reference's; the reward model's is the same size)."""
+    def run():
+        with torch.no_grad():
+            return answer_logprobs(model, ids, mask, prompt_len)
+    return run
+
+
+def update(model, optim, ids, mask, prompt_len: int):
+    """One LoRA forward and backward of a stand-in loss (minus the answers' mean log-prob) and an optimizer step."""
+    def run():
+        (-answer_logprobs(model, ids, mask, prompt_len).mean()).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return run
+
+
+def compile_trunk(model, dynamic: bool = False):
+    """`model` with its decoder stack's forward compiled by inductor: fixed shapes (one graph per shape), or
+    `dynamic` (one graph over every row count and length)."""
+    stack = trunk(model)
+    stack.forward = torch.compile(stack.forward, dynamic=dynamic)
+    return model
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--inductor-cache", type=pathlib.Path, default=None,
+                        help="inductor's cache folder (default: a fresh temporary one, so every compile is timed cold)")
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="default benchmarks/smollm2_levers_<cpu kind>.json; an existing record is not overwritten")
+    args = parser.parse_args(argv)
+    kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    out = args.out or ROOT / "benchmarks" / f"smollm2_levers_{kind}.json"
+    if out.exists():
+        raise SystemExit(f"{out} exists: give another --out")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+
+    from peft import LoraConfig, get_peft_model
+
+    from marlhf_edu.loading.models import load_reward_model, load_sft_model
+    from marlhf_edu.ppo.config import PPOConfig
+
+    cache = args.inductor_cache or pathlib.Path(tempfile.mkdtemp(prefix="levers_inductor_"))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when inductor first compiles, below
+    print("the shipped step (bench_step.py, a fresh process) ...", flush=True)
+    step = shipped_step()
+    print(f"  {step['step_s']:.2f} s: {step['phases_s']}", flush=True)
+
+    policy, tok = load_sft_model(SFT)
+    enc = prompts(tok)
+    P = enc["input_ids"].shape[1]
+    bf16 = copy.deepcopy(policy).to(torch.bfloat16)
+    compiled = compile_trunk(copy.deepcopy(policy))
+
+    ids = sampler(policy, enc, tok)()  # the rows every forward and update case reads
+    mask = torch.cat([enc["attention_mask"], torch.ones(ROWS, NEW_TOKENS, dtype=torch.long)], 1)
+    assert ids.shape == (ROWS, P + NEW_TOKENS), ids.shape
+
+    targets = list(PPOConfig().lora_target_modules)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    learner = get_peft_model(copy.deepcopy(policy).train(), lora)
+    learner_c = get_peft_model(copy.deepcopy(policy).train(), lora)
+    compile_trunk(learner_c)
+    learner_d = compile_trunk(get_peft_model(copy.deepcopy(policy).train(), lora), dynamic=True)
+    opts = {name: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-6)
+            for name, m in (("eager", learner), ("compiled", learner_c), ("dynamic", learner_d))}
+    mb, mb_mask = ids[:MINIBATCH], mask[:MINIBATCH]
+
+    cases = {
+        "sample fp32 (dynamic cache)": sampler(policy, enc, tok),
+        "sample fp32 compiled (static cache)": sampler(compiled, enc, tok, "static"),
+        "sample bf16 (dynamic cache)": sampler(bf16, enc, tok),
+        "forward fp32": forward(policy, ids, mask, P),
+        "forward fp32 compiled": forward(compiled, ids, mask, P),
+        "forward bf16": forward(bf16, ids, mask, P),
+        "update fp32": update(learner, opts["eager"], mb, mb_mask, P),
+        "update fp32 compiled": update(learner_c, opts["compiled"], mb, mb_mask, P),
+        "update fp32 compiled dynamic": update(learner_d, opts["dynamic"], mb, mb_mask, P),
+    }
+    compile_s = {}
+    for name in [n for n in cases if "compiled" in n]:
+        print(f"compiling: {name} ...", flush=True)
+        compile_s[name] = round(timed(cases[name])[1], 2)
+    # a minibatch of another length: the compiled update's recompile, then its time at that shape
+    cut = P + NEW_TOKENS - 8
+    for name, model, optim in (("update fp32 compiled", learner_c, opts["compiled"]),
+                               ("update fp32 compiled dynamic", learner_d, opts["dynamic"])):
+        # contiguous, as the first rows are: a strided input alone would recompile a graph compiled for shapes
+        other = update(model, optim, ids[MINIBATCH:, :cut].contiguous(), mask[MINIBATCH:, :cut].contiguous(), P)
+        compile_s[f"{name}, a second shape"] = round(timed(other)[1], 2)
+
+    seconds = {name: [] for name in cases}
+    for r in range(args.rounds):
+        order = list(cases) if r % 2 == 0 else list(reversed(cases))
+        for name in order:
+            seconds[name].append(round(timed(cases[name])[1], 4))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {seconds[n][-1]:.2f}" for n in cases), flush=True)
+    median = {name: round(statistics.median(s), 4) for name, s in seconds.items()}
+
+    # precision: bf16 weights against fp32 on the same rows
+    lp32 = cases["forward fp32"]()
+    lp16 = cases["forward bf16"]()
+    diff = lp16 - lp32
+    reward32, rtok = load_reward_model(SFT, REWARD)
+    reward16 = copy.deepcopy(reward32).to(torch.bfloat16)
+    eos = torch.full((ROWS, 1), rtok.eos_token_id, dtype=ids.dtype)
+    scored, scored_mask = torch.cat([ids, eos], 1), torch.cat([mask, torch.ones(ROWS, 1, dtype=mask.dtype)], 1)
+    with torch.no_grad():
+        s32 = reward32(input_ids=scored, attention_mask=scored_mask).logits[:, 0].float()
+        s16 = reward16(input_ids=scored, attention_mask=scored_mask).logits[:, 0].float()
+    precision = {
+        "answer_tokens": int(diff.numel()),
+        "logprob_abs_diff_mean": round(diff.abs().mean().item(), 5),
+        "logprob_abs_diff_max": round(diff.abs().max().item(), 4),
+        "k1_per_answer_from_bf16_reference": {  # sum over an answer of log π_fp32 − log π_bf16, then over answers
+            "mean": round((-diff).sum(1).mean().item(), 4), "std": round((-diff).sum(1).std().item(), 4)},
+        "reward_score_abs_diff_mean": round((s16 - s32).abs().mean().item(), 4),
+        "reward_score_abs_diff_max": round((s16 - s32).abs().max().item(), 4),
+        "reward_score_fp32_std": round(s32.std().item(), 4),
+    }
+
+    phases = step["phases_s"]
+    saved = {  # a lever's seconds a step, if the step's passes of that kind ran as the case against its fp32 one
+        "compiled sampler": phases["generate"] * (1 - median["sample fp32 compiled (static cache)"]
+                                                  / median["sample fp32 (dynamic cache)"]),
+        "bf16 sampler": phases["generate"] * (1 - median["sample bf16 (dynamic cache)"]
+                                              / median["sample fp32 (dynamic cache)"]),
+        "compiled reference and score passes": (phases["reference"] + phases["score"])
+        * (1 - median["forward fp32 compiled"] / median["forward fp32"]),
+        "bf16 reference and score passes": (phases["reference"] + phases["score"])
+        * (1 - median["forward bf16"] / median["forward fp32"]),
+        "compiled update": phases["update"] * (1 - median["update fp32 compiled"] / median["update fp32"]),
+        "compiled update, dynamic shapes": phases["update"] * (1 - median["update fp32 compiled dynamic"]
+                                                               / median["update fp32"]),
+    }
+    record = {
+        "what": __doc__.split("\n\n")[0],
+        "command": f"python tools/experiments/smollm2_levers/levers_smollm2.py --rounds {args.rounds}",
+        "measured_on": measured_on(), "machine": machine(), "cpu_kind": kind,
+        "date": time.strftime("%Y-%m-%d"),
+        "shape": {"rows": ROWS, "prompt_tokens_padded": P, "new_tokens": NEW_TOKENS, "minibatch_rows": MINIBATCH,
+                  "temperature": TEMPERATURE, "lora": {"r": 16, "alpha": 32, "target_modules": targets}},
+        "shipped_step": step,
+        "seconds": seconds, "median_s": median, "compile_s": compile_s,
+        "inductor_cache": "given (--inductor-cache)" if args.inductor_cache else "a fresh temporary folder",
+        "ratio_to_fp32": {name: round(median[name] / median[name.split(" ")[0] + " fp32"
+                                                        + (" (dynamic cache)" if name.startswith("sample") else "")], 3)
+                          for name in cases},
+        "precision_bf16": precision,
+        "projected_seconds_saved_a_step": {k: round(v, 2) for k, v in saved.items()},
+        "projection": "each lever's phase of the shipped step times (1 − case ÷ its fp32 case), the other phases as "
+                      "they are: an estimate from the dense model's passes, not a measured engine step",
+    }
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: record[k] for k in ("median_s", "compile_s", "precision_bf16",
+                                             "projected_seconds_saved_a_step")}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
