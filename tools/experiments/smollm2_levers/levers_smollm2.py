@@ -10,11 +10,12 @@ with torch's default `F.linear`) and on 16 training red-team requests of the con
 (first turns only, so shorter than the engine's prompts of up to 64 tokens), a stand-in for each of the three
 kinds of pass a step is made of, eager in fp32 against a lever, in turn in every round:
 
-    sample    `generate`, 16 answers of exactly 48 new tokens at T = 0.7 (`min_new_tokens` holds the length, so
-              every case does the same work), each token drawn and its log-prob and entropy recorded as the
+    sample    `generate`, 16 answers of exactly 48 new tokens at T = 0.7 (no EOS token, so every row runs to 48
+              and every case does the same work), each token drawn and its log-prob and entropy recorded as the
               engine's sampler does (`SampledLogprobs`, the inverse-CDF draw): fp32 with transformers' dynamic
               cache; fp32 with a static cache, eager (the control for the next); fp32 with a static cache and the
-              decoder stack compiled; the model cast to bf16 (weights and activations)
+              decoder stack compiled; the model cast to bf16 (weights, activations and the LM head's output; the
+              RoPE frequencies kept in fp32, as transformers computes the angles)
     forward   one no-grad forward over the 16 sampled rows (prompt + answer), the answers' log-probs at T = 0.7
               with the engine's position ids and LM head on the answer positions only (`head_logits`): the step's
               reference pass (the reward model's is the same size): fp32; fp32 compiled; the model cast to bf16
@@ -29,10 +30,11 @@ inductor cache folder, empty at the start (a fresh temporary one unless `--induc
 seconds are reported apart. Each compiled update is then called on the other 8 rows cut 8 tokens shorter, timing
 what a minibatch of another shape costs. Every case runs once more, untimed, before the rounds.
 
-What a bf16 model costs in precision, on the same rows: the answers' per-token log-probs (T = 0.7) of the model
-cast to bf16 against fp32 (what a bf16 reference pass would add to k1 at a step where the policy still equals the
-reference), and the shipped reward model's scores of the 16 (prompt, answer + EOS) cast to bf16 against fp32,
-next to the spread of the fp32 scores. About 16 minutes on 2 cores (Intel Xeon), about half of it compiling the
+What a bf16 model costs in precision, on the same rows, each answer up to its first EOS: the answers' per-token
+log-probs (T = 0.7) of the model cast to bf16 against fp32 (what a bf16 reference pass would add to k1 at a step
+where the policy still equals the reference), and the shipped reward model's scores of the 16 (prompt, answer,
+EOS appended where the answer drew none, read at the last token as the engine reads them) cast to bf16 against
+fp32, next to the spread of the fp32 scores. About 16 minutes on 2 cores (Intel Xeon), about half of it compiling the
 update for dynamic shapes. Not part of `make test`.
 """
 
@@ -73,7 +75,9 @@ def shipped_step() -> dict:
         out = pathlib.Path(tmp) / "step.json"
         command = [sys.executable, "tools/bench_step.py", "--command", "ma-ppo", "--config", CONFIG,
                    "--steps", "3", "--skip", "1", "--out", str(out)]
-        subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"bench_step.py failed ({done.returncode}):\n{done.stderr[-2000:]}")
         record = json.loads(out.read_text())
     keep = ("steps_averaged", "step_s", "phases_s", "generate_tokens_per_s", "response_length", "measured_on")
     return {"command": "python tools/bench_step.py --command ma-ppo --config " + CONFIG + " --steps 3 --skip 1",
@@ -92,21 +96,42 @@ def prompts(tokenizer) -> dict:
 
 def sampler(model, enc, tokenizer, cache: str | None = None):
     """`generate` as the engine's sampler runs it (`backends.sample` with `token_draw: inverse_cdf` and the
-    sampler's log-probs and entropy recorded), held to exactly 48 new tokens."""
+    sampler's log-probs and entropy recorded), with no EOS token, so that every row takes exactly 48 new tokens and
+    no step's scores are masked (the rows run on past an EOS they draw; `answer_mask` drops those tokens)."""
     from transformers import LogitsProcessorList
 
     from marlhf_edu.ppo.merged_rollout import SampledLogprobs
+
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, pad_token_id=tokenizer.pad_token_id, do_sample=False, max_new_tokens=NEW_TOKENS,
+                  cache_implementation=cache)
 
     def run():
         torch.manual_seed(0)
         recorder = SampledLogprobs(TEMPERATURE, entropy=True, draw=True)
         with torch.no_grad():
-            ids = model.generate(**enc, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                 logits_processor=LogitsProcessorList([recorder]), cache_implementation=cache)
+            ids = model.generate(**enc, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
         recorder.finish(ids)
         return ids
     return run
+
+
+def answer_mask(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """(B, R) True for each answer token up to and including its first EOS: the tokens the engine keeps."""
+    after = (ids[:, -NEW_TOKENS:] == eos_token_id).long().cumsum(1)
+    return (after == 0) | ((after == 1) & (ids[:, -NEW_TOKENS:] == eos_token_id))
+
+
+def cast_bf16(model):
+    """A copy of `model` in bf16 (weights, activations, the LM head's output), RoPE's frequencies kept in fp32:
+    a bf16 model as transformers runs one, which computes the rotary angles in fp32 from fp32 frequencies."""
+    out = copy.deepcopy(model).to(torch.bfloat16)
+    fp32 = dict(model.named_buffers())
+    for name, _ in list(out.named_buffers()):
+        if name.endswith("inv_freq"):
+            module, _, attr = name.rpartition(".")
+            setattr(out.get_submodule(module), attr, fp32[name].clone())
+    return out
 
 
 def trunk(model):
@@ -146,8 +171,8 @@ def update(model, optim, ids, mask, n_answer: int):
 
 
 def compile_trunk(model, dynamic: bool = False):
-    """`model` with its decoder stack's forward compiled by inductor: fixed shapes (one graph per shape), or
-    `dynamic` (one graph over every row count and length)."""
+    """`model` with its decoder stack's forward compiled by inductor, for fixed shapes (a graph per shape) or with
+    `dynamic` (meant to serve other shapes too; in the record a second shape compiled a new graph)."""
     stack = trunk(model)
     stack.forward = torch.compile(stack.forward, dynamic=dynamic)
     return model
@@ -173,12 +198,12 @@ def main(argv=None) -> None:
     from torch._dynamo.utils import counters
 
     from marlhf_edu.loading.models import load_reward_model, load_sft_model
-    from marlhf_edu.math.scoring import position_ids_from_mask
+    from marlhf_edu.math.scoring import sequence_scores
     from marlhf_edu.ppo.config import PPOConfig
 
     cache = args.inductor_cache or pathlib.Path(tempfile.mkdtemp(prefix="levers_inductor_"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when inductor first compiles, below
-    torch._dynamo.config.recompile_limit = 64  # past the limit (8) Dynamo runs a frame eagerly, without a word
+    torch._dynamo.config.recompile_limit = 64  # past the limit (8) Dynamo runs a frame eagerly, with one logged warning
     print("the shipped step (bench_step.py, a fresh process) ...", flush=True)
     step = shipped_step()
     print(f"  {step['step_s']:.2f} s: {step['phases_s']}", flush=True)
@@ -186,7 +211,7 @@ def main(argv=None) -> None:
     policy, tok = load_sft_model(SFT)
     enc = prompts(tok)
     P = enc["input_ids"].shape[1]
-    bf16 = copy.deepcopy(policy).to(torch.bfloat16)
+    bf16 = cast_bf16(policy)
     compiled = compile_trunk(copy.deepcopy(policy))
 
     ids = sampler(policy, enc, tok)()  # the rows every forward and update case reads
@@ -250,21 +275,23 @@ def main(argv=None) -> None:
     median_ratio = {name: statistics.median(r) for name, r in ratios.items()}
 
     # precision: the model cast to bf16 against fp32, on the same rows
-    lp32 = cases["forward fp32"]()
-    lp16 = cases["forward bf16"]()
-    diff = lp16 - lp32
+    keep = answer_mask(ids, tok.eos_token_id)
+    diff = (cases["forward bf16"]() - cases["forward fp32"]()) * keep
     k1 = (-diff).sum(1)  # an answer's Σ (log π_fp32 − log π_bf16): k1 against a bf16 reference, policy = reference
     reward32, rtok = load_reward_model(SFT, REWARD)
-    reward16 = copy.deepcopy(reward32).to(torch.bfloat16)
+    reward16 = cast_bf16(reward32)
+    # each answer up to its first EOS, with EOS appended where it drew none (`truncated_scoring: append_eos`),
+    # scored as the engine scores: the head on the last real token's hidden state (`sequence_scores`)
     eos = torch.full((ROWS, 1), rtok.eos_token_id, dtype=ids.dtype)
-    scored, scored_mask = torch.cat([ids, eos], 1), torch.cat([mask, torch.ones(ROWS, 1, dtype=mask.dtype)], 1)
-    positions = position_ids_from_mask(scored_mask)
+    ended = (ids[:, -NEW_TOKENS:] == rtok.eos_token_id).any(1, keepdim=True)
+    scored = torch.cat([ids, eos], 1)
+    scored_mask = torch.cat([mask[:, :-NEW_TOKENS], keep.long(), (~ended).long()], 1)
     with torch.no_grad():
-        s32 = reward32(input_ids=scored, attention_mask=scored_mask, position_ids=positions).logits[:, 0].float()
-        s16 = reward16(input_ids=scored, attention_mask=scored_mask, position_ids=positions).logits[:, 0].float()
+        s32 = sequence_scores(reward32, scored, scored_mask)
+        s16 = sequence_scores(reward16, scored, scored_mask)
     precision = {
-        "answer_tokens": int(diff.numel()),
-        "logprob_abs_diff_mean": round(diff.abs().mean().item(), 5),
+        "answer_tokens": int(keep.sum()),  # up to and including each answer's first EOS
+        "logprob_abs_diff_mean": round((diff.abs().sum() / keep.sum()).item(), 5),
         "logprob_abs_diff_max": round(diff.abs().max().item(), 4),
         "k1_per_answer_from_bf16_reference": {"mean": round(k1.mean().item(), 4), "sd": round(k1.std().item(), 4),
                                               "sd_of_a_16_answer_mean": round(k1.std().item() / ROWS ** 0.5, 4)},
