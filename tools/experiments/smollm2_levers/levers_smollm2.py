@@ -97,7 +97,7 @@ def prompts(tokenizer) -> dict:
 def sampler(model, enc, tokenizer, cache: str | None = None):
     """`generate` as the engine's sampler runs it (`backends.sample` with `token_draw: inverse_cdf` and the
     sampler's log-probs and entropy recorded), with no EOS token, so that every row takes exactly 48 new tokens and
-    no step's scores are masked (the rows run on past an EOS they draw; `answer_mask` drops those tokens)."""
+    no step's scores are masked (the rows run on past an EOS they draw; `response_mask_from_ids` drops those tokens)."""
     from transformers import LogitsProcessorList
 
     from marlhf_edu.ppo.merged_rollout import SampledLogprobs
@@ -114,12 +114,6 @@ def sampler(model, enc, tokenizer, cache: str | None = None):
         recorder.finish(ids)
         return ids
     return run
-
-
-def answer_mask(ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, R) True for each answer token up to and including its first EOS: the tokens the engine keeps."""
-    after = (ids[:, -NEW_TOKENS:] == eos_token_id).long().cumsum(1)
-    return (after == 0) | ((after == 1) & (ids[:, -NEW_TOKENS:] == eos_token_id))
 
 
 def cast_bf16(model):
@@ -198,8 +192,9 @@ def main(argv=None) -> None:
     from torch._dynamo.utils import counters
 
     from marlhf_edu.loading.models import load_reward_model, load_sft_model
-    from marlhf_edu.math.scoring import sequence_scores
+    from marlhf_edu.math.scoring import append_missing_eos, sequence_scores
     from marlhf_edu.ppo.config import PPOConfig
+    from marlhf_edu.ppo.trainer import response_mask_from_ids
 
     cache = args.inductor_cache or pathlib.Path(tempfile.mkdtemp(prefix="levers_inductor_"))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when inductor first compiles, below
@@ -275,17 +270,16 @@ def main(argv=None) -> None:
     median_ratio = {name: statistics.median(r) for name, r in ratios.items()}
 
     # precision: the model cast to bf16 against fp32, on the same rows
-    keep = answer_mask(ids, tok.eos_token_id)
+    keep = response_mask_from_ids(ids[:, -NEW_TOKENS:], tok.eos_token_id)  # up to each answer's first EOS
     diff = (cases["forward bf16"]() - cases["forward fp32"]()) * keep
     k1 = (-diff).sum(1)  # an answer's Σ (log π_fp32 − log π_bf16): k1 against a bf16 reference, policy = reference
     reward32, rtok = load_reward_model(SFT, REWARD)
     reward16 = cast_bf16(reward32)
     # each answer up to its first EOS, with EOS appended where it drew none (`truncated_scoring: append_eos`),
     # scored as the engine scores: the head on the last real token's hidden state (`sequence_scores`)
-    eos = torch.full((ROWS, 1), rtok.eos_token_id, dtype=ids.dtype)
-    ended = (ids[:, -NEW_TOKENS:] == rtok.eos_token_id).any(1, keepdim=True)
-    scored = torch.cat([ids, eos], 1)
-    scored_mask = torch.cat([mask[:, :-NEW_TOKENS], keep.long(), (~ended).long()], 1)
+    ended = (ids[:, -NEW_TOKENS:] == rtok.eos_token_id).any(1)
+    scored, scored_mask = append_missing_eos(ids, torch.cat([mask[:, :-NEW_TOKENS], keep.long()], 1), ended,
+                                             rtok.eos_token_id, rtok.pad_token_id)
     with torch.no_grad():
         s32 = sequence_scores(reward32, scored, scored_mask)
         s16 = sequence_scores(reward16, scored, scored_mask)
