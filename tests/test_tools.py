@@ -443,3 +443,34 @@ def test_replay_check_records_each_case_against_shared_sequences_and_refuses_its
             replay.main(["--config", str(config), *bad])
     # a value that reads like an option's name is passed on, not refused
     replay.main(["--config", str(config), "--runs", "1", "--steps", "1", "--dataset_name", "output_dir"])
+
+
+def test_speed_targets_tag_files_a_second_record_of_one_cpu_kind_beside_the_first(tmp_path, monkeypatch):
+    """`--tag` ends every record's name (after the config and precision parts) and the command it stores; a tag that
+    is not a file-name part is refused before anything runs; the record holds this machine's vector flags."""
+    import json
+
+    module = _speed_targets()
+    kind = module.cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
+    (tmp_path / f"smollm2_step_floor_{kind}.json").write_text("{}")  # the first machine's record stays untouched
+
+    def fake_run(args, **kwargs):
+        out = pathlib.Path(args[args.index("--out") + 1])
+        out.write_text(json.dumps({"step_s": 10.0, "floor_step_s": 5.0, "phases_s": {}, "response_length": 1.0,
+                                   "generate_tokens_per_s": 1.0, "steps_averaged": [2, 3], "fp32_products": "off",
+                                   "per_step": [], "measured_on": "x", "machine": {}}))
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    monkeypatch.setattr(module, "with_baseline", lambda work: work(tmp_path / "7b49006"))
+    module.main(["--smollm2-floor", "--rounds", "1", "--config", "configs/smollm2/ma_ppo_bf16.yaml",
+                 "--tag", "xeon_b", "--out-dir", str(tmp_path)])
+    record = json.loads((tmp_path / f"smollm2_step_floor_{kind}_ma_ppo_bf16_xeon_b.json").read_text())
+    assert record["command"].endswith("--config configs/smollm2/ma_ppo_bf16.yaml --tag xeon_b")
+    assert record["cpu_flags"] == module.cpu_features(pathlib.Path("/proc/cpuinfo").read_text())["cpu_flags"]
+    assert (tmp_path / f"smollm2_step_floor_{kind}.json").read_text() == "{}"
+    assert module.tag_suffix(None) == "" and module.tag_suffix("b2") == "_b2"
+    monkeypatch.setattr(module.subprocess, "run", lambda *a, **k: pytest.fail("ran something before refusing"))
+    for bad in ("Xeon", "a/b", "a__b", "_a", ""):
+        with pytest.raises(SystemExit) as exit_:
+            module.main(["--smollm2-floor", "--tag", bad, "--out-dir", str(tmp_path)])
+        assert exit_.value.code == 2, bad

@@ -28,7 +28,10 @@ with `old_logprobs: recompute`) → a record whose name ends `_<precision>_produ
 `<cpu>` is the vendor and the widest vector extension `/proc/cpuinfo` lists: `amd_epyc_avx2`,
 `intel_xeon_avx512`, `amd_epyc_avx512bf16`, ... With `--kernels avx2` or `avx512`, PyTorch's, oneDNN's and MKL's
 kernels are held to that set (`KERNEL_ENV`) and the records are named `<cpu>_as_avx2` / `<cpu>_as_avx512`:
-capped kernels, a CPU kind's instruction set on this machine's clock, caches and memory. "CPU options" are
+capped kernels, a CPU kind's instruction set on this machine's clock, caches and memory. `--tag <name>` ends every
+record's name with `_<name>` (lowercase letters, digits and `_`), so a second machine of one CPU kind, or a second
+record on one machine, is filed beside the first rather than refused; each record also holds this machine's
+vector flags and reported clock (`cpu_flags`, `cpu_mhz_reported`). "CPU options" are
 `compare_trl.CPU_OPTIONS`. The machine should be otherwise idle. On the 2-core AMD EPYC with AVX512-BF16 the
 two parts took about 9 minutes (the comparison) and 2 minutes a round, on a 2-core Intel Xeon 12 and 3 minutes
 (17 and 5 with AVX2 kernels); an AVX2-only CPU of the EPYC's family ran the engine at 7b49006 about 2.5 times
@@ -41,12 +44,13 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
 import time
 
-from marlhf_edu.records import cpu_kind
+from marlhf_edu.records import cpu_features, cpu_kind
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BASELINE = "7b49006"
@@ -66,6 +70,13 @@ def record_suffix(kind: str, kernels: str) -> str:
     if kernels not in KERNEL_ENV:
         raise ValueError(f"kernels must be one of {sorted(KERNEL_ENV)}, got {kernels!r}")
     return kind if kernels == "native" else f"{kind}_as_{kernels}"
+
+
+def tag_suffix(tag: str | None) -> str:
+    """'' without a tag, else `_<tag>`: the end of every record's name (`--tag`)."""
+    if tag is not None and not re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)*", tag):
+        raise ValueError(f"--tag {tag!r}: lowercase letters and digits, words joined by single '_' (a file name part)")
+    return f"_{tag}" if tag else ""
 
 
 def verdicts(speed: dict, smollm2: dict) -> list[dict]:
@@ -159,7 +170,14 @@ def smollm2_record(ran: str, kind: str, kernels: str, command: str, measured: di
     return {"what": f"seconds per MA-PPO step of SmolLM2-135M (NF4 base), mean of steps 2-3 of 3-step runs, {ran} in "
                     "turn each round",
             "engines": {BASELINE: f"commit {BASELINE} with its own {SMOLLM2_CONFIG}", "shipped": ours},
-            "cpu_kind": kind, "kernels": kernels, "date": time.strftime("%Y-%m-%d"), "command": command, **measured}
+            "cpu_kind": kind, **here(), "kernels": kernels, "date": time.strftime("%Y-%m-%d"), "command": command,
+            **measured}
+
+
+def here() -> dict:
+    """This machine's vector flags and reported clock (`records.cpu_features`), which two machines of one
+    `cpu_kind` need not share."""
+    return cpu_features(pathlib.Path("/proc/cpuinfo").read_text())
 
 
 def config_path(config: str) -> str:
@@ -181,9 +199,11 @@ def smollm2_floor(args, kind: str, suffix: str) -> dict:
     """`--smollm2-floor`: the step's floor, 7b49006 and this checkout's `--config` in turn, `--rounds` rounds."""
     args.config = config_path(args.config)
     precision_suffix = "" if args.matmul_precision == "ieee" else f"_{args.matmul_precision}_products"
-    out = args.out_dir / f"smollm2_step_floor_{suffix}{config_suffix(args.config)}{precision_suffix}.json"
+    out = args.out_dir / (f"smollm2_step_floor_{suffix}{config_suffix(args.config)}{precision_suffix}"
+                          f"{args.tag_suffix}.json")
     if out.exists():  # a record is evidence: never overwritten
-        sys.exit(f"speed_targets: {out} exists; move it aside (e.g. to a name ending _at_<commit>) first")
+        sys.exit(f"speed_targets: {out} exists; move it aside (e.g. to a name ending _at_<commit>) or name the new "
+                 "record apart with --tag")
     env, env_words = run_env(args.kernels)
     print(f"CPU kind {kind}, kernels {args.kernels}: record {out.name}", flush=True)
     print(f"SmolLM2: the floor, {BASELINE} and {args.config} in turn, {args.rounds} rounds", flush=True)
@@ -193,6 +213,8 @@ def smollm2_floor(args, kind: str, suffix: str) -> dict:
     named = "" if args.config == SMOLLM2_CONFIG else f" --config {args.config}"
     if args.matmul_precision != "ieee":
         named += f" --matmul-precision {args.matmul_precision}"
+    if args.tag:
+        named += f" --tag {args.tag}"
     record = smollm2_record("the step's passes alone (tools/bench_floor.py --work smollm2: bare transformers/peft "
                             f"calls over the padded batch of {SMOLLM2_CONFIG}, dense fp32, MKL), {BASELINE} and "
                             f"this checkout's {args.config}",
@@ -218,6 +240,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "benchmarks")
+    parser.add_argument("--tag", help="ends every record's name with _<tag> (e.g. the machine: xeon_b), so a record "
+                                      "made on another machine of this CPU kind is filed beside the first")
     parser.add_argument("--config", default=SMOLLM2_CONFIG,
                         help="with --smollm2-floor: the config this checkout runs (under configs/smollm2/; the "
                              f"record's name ends _<its stem>); the engine at {BASELINE} runs its own {SMOLLM2_CONFIG}")
@@ -235,13 +259,18 @@ def main(argv=None):
 
     kind = cpu_kind(pathlib.Path("/proc/cpuinfo").read_text())
     suffix = record_suffix(kind, args.kernels)
-    speed_out = args.out_dir / f"speed_vs_trl_{suffix}.json"
-    smollm2_out = args.out_dir / f"smollm2_step_side_by_side_{suffix}.json"
+    try:
+        args.tag_suffix = tag_suffix(args.tag)
+    except ValueError as err:
+        parser.error(str(err))
+    speed_out = args.out_dir / f"speed_vs_trl_{suffix}{args.tag_suffix}.json"
+    smollm2_out = args.out_dir / f"smollm2_step_side_by_side_{suffix}{args.tag_suffix}.json"
     if args.smollm2_floor:
         return smollm2_floor(args, kind, suffix)
     for path in (speed_out, smollm2_out):
         if path.exists():  # a record is evidence: never overwritten
-            sys.exit(f"speed_targets: {path} exists; move it aside (e.g. to a name ending _at_<commit>) first")
+            sys.exit(f"speed_targets: {path} exists; move it aside (e.g. to a name ending _at_<commit>) or name the "
+                     "new record apart with --tag")
     env, env_words = run_env(args.kernels)
 
     def shown(path: pathlib.Path) -> str:  # a record's command names paths from the repository root, as run there
@@ -254,7 +283,7 @@ def main(argv=None):
                     "--steps", "10", "--repeats", str(args.repeats), "--out", str(speed_out)],
                    check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     speed = json.loads(speed_out.read_text())
-    speed.update(cpu_kind=kind, kernels=args.kernels, date=time.strftime("%Y-%m-%d"),
+    speed.update(cpu_kind=kind, **here(), kernels=args.kernels, date=time.strftime("%Y-%m-%d"),
                  command=f"{env_words + ' ' if env_words else ''}python tools/compare_trl.py --trl-python "
                          f"{args.trl_python} --steps 10 --repeats {args.repeats} --out {shown(speed_out)} "
                          f"(tools/speed_targets.py)")
@@ -264,7 +293,8 @@ def main(argv=None):
     measured = with_baseline(lambda baseline_dir: side_by_side(baseline_dir, args.rounds, env, args.kernels))
     smollm2 = smollm2_record(f"{BASELINE} and the shipped config", kind, args.kernels,
                              f"{env_words + ' ' if env_words else ''}python tools/speed_targets.py --trl-python "
-                             f"{args.trl_python} --kernels {args.kernels} --rounds {args.rounds}", measured)
+                             f"{args.trl_python} --kernels {args.kernels} --rounds {args.rounds}"
+                             + (f" --tag {args.tag}" if args.tag else ""), measured)
     smollm2_out.write_text(json.dumps(smollm2, indent=1) + "\n")
 
     print("3. the targets", flush=True)
