@@ -108,6 +108,9 @@ def test_effective_sample_size():
     assert effective_sample_size(torch.tensor([1.0, 1.0, 2.0])).item() == pytest.approx(16 / 6)
     with pytest.raises(ValueError, match="finite and ≥ 0"):
         effective_sample_size(torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="every weight is 0"):  # 0/0 would return NaN, outside 1 ≤ ESS ≤ B
+        effective_sample_size(torch.zeros(3))
+    assert effective_sample_size(torch.tensor([1e-30, 1e-30])).item() == pytest.approx(2)  # tiny is not zero
 
 
 def test_gold_reward_follows_the_judge():

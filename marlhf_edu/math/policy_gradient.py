@@ -118,6 +118,9 @@ def effective_sample_size(weights: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"effective_sample_size: `weights` must be a non-empty (B,) tensor, got {tuple(weights.shape)}")
     if bool((weights < 0).any()) or not bool(torch.isfinite(weights).all()):
         raise ValueError("effective_sample_size: `weights` must be finite and ≥ 0")
+    if not bool((weights > 0).any()):  # (Σw)² / Σw² is 0/0: no sample carries any weight
+        raise ValueError("effective_sample_size: every weight is 0 (did exp() of very negative log-weights "
+                         "underflow? subtract their maximum first)")
     w = weights.double()
     return (w.sum() ** 2 / (w**2).sum()).to(weights.dtype)
 
