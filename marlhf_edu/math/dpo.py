@@ -123,7 +123,7 @@ def ipo_loss(
     h = 1/(2β), so β sets where the margin stops. trl's `loss_type="ipo"` averages each answer's
     token log-probs before this; here the caller chooses what it passes.
 
-    Taught in chapter 12 (the reference of its exercise).
+    Taught in chapter 12 (withheld, with `margin_trajectory`, during its exercise).
     """
     fn = "ipo_loss"
     check_same_shape(fn, policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps,
@@ -151,7 +151,9 @@ def ipo_preferred_margin(p, beta: float):
 
 
 def margin_trajectory(loss_fn, beta: float, steps: int = 2000, lr: float = 0.1) -> list[float]:
-    r"""The log-ratio margin h of one pair whose preference is certain, after each of `steps` gradient steps.
+    r"""The log-ratio margin h of one pair under `loss_fn`, after each of `steps` gradient steps: a certain
+    preference when `loss_fn` is DPO's or IPO's loss of the pair in one order, an uncertain one when it averages
+    the two orders (the exercise's check does that).
 
     The policy is the simplest one: a free logit per answer (chosen, rejected, one other), the reference
     uniform, plain SGD. Then h = logit_w − logit_l, and each step moves h by −2·lr·∂L/∂h, so what the loss

@@ -19,7 +19,8 @@ from marlhf_edu.math.kl import kl_penalty
 #: How advantages are scaled: by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO).
 ADVANTAGE_SCALES = ("group", "batch", "none")
 #: How per-token losses become one number: per-sequence token means then their mean ('grpo'), one mean
-#: over every token of the batch ('bnpo', which is what trl's default 'dapo' computes on a single process), or
+#: over every token of the batch ('bnpo'; trl's default 'dapo' divides instead by the generation batch's token
+#: count spread evenly over its optimizer steps, so the two agree only when every step holds as many tokens), or
 #: the sum over every token divided by a constant, B × the longest allowed answer ('dr_grpo', trl's too).
 GRPO_LOSS_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo")
 

@@ -161,7 +161,8 @@ def check_ipo_margin(fn: Callable, seed: int = 0) -> CheckReport:
         for _ in range(3):
             p, beta = round(float(torch.rand(1, generator=gen)), 3), round(0.05 + float(torch.rand(1, generator=gen)), 3)
             cases.append(case(f"random: p = {p}, beta = {beta}", p, beta))
-        forward, backward = (int(x) for x in torch.randint(1, 5, (2,), generator=gen))
+        forward, offset = (int(x) for x in torch.randint(1, 5, (2,), generator=gen))
+        backward = (forward + offset % 3) % 4 + 1  # 1-4 and never equal to forward: not the p = 0.5 case again
         cases.append(trained(f"what training finds: {forward} times one way, {backward} the other, beta = 0.3",
                              forward, backward, 0.3))
     return _run("check_ipo_margin", seed=seed, cases=cases)
