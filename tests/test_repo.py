@@ -327,3 +327,22 @@ def test_history_rule_sees_history_and_not_its_exceptions():
     assert not history_phrases("The readers were language-model sessions, not people.\n")
     assert not history_phrases("each a kernel that the CPU issues from Python\n")
     assert not history_phrases("```{code-cell} ipython3\nsession = 1\n```\n")
+
+
+# The package's docstrings and messages reach the reader too (chapters `show` functions, stages print errors):
+# they name no tracker numbers either.
+TRACKER = re.compile(r"\bissues? \d+\b", re.I)
+
+
+def test_package_text_names_no_tracker_issue():
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "marlhf_edu").rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if TRACKER.search(line)]
+    assert not found, f"say what the code does and why, not which issue asked for it: {found}"
+
+
+@pytest.mark.parametrize("nb_path", sorted((ROOT / "notebooks").rglob("*.ipynb")), ids=lambda p: p.stem)
+def test_stored_outputs_name_no_tracker_issue(nb_path):
+    outputs = [o for cell in json.loads(nb_path.read_text())["cells"] for o in cell.get("outputs", [])]
+    texts = ["".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", "")) for o in outputs]
+    found = [line.strip() for text in texts for line in text.splitlines() if TRACKER.search(line)]
+    assert not found, f"{nb_path.name}: {found}"

@@ -69,7 +69,7 @@ LOAD_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def loading_kwargs(device: str = "auto", dtype: str = "auto", load_in_4bit: bool = False) -> dict:
-    """`from_pretrained` arguments that load a model for inference where a GPU user expects it (issue 34).
+    """`from_pretrained` arguments that load a model for inference where a GPU user expects it.
 
     On CUDA the whole model goes to that one GPU (`device_map`), in bf16 under `dtype='auto'` whatever the
     checkpoint says (Llama-2-7b-hf is saved in float16), or as an NF4 base with bf16 compute under

@@ -65,7 +65,7 @@ def nf4_loading_kwargs(device: str, double_quant: bool = True, compute_dtype: st
 
     On CUDA the parts that stay unquantized (embeddings, norms, lm_head: the residual stream) are loaded in bf16
     whatever the checkpoint says: transformers 5 loads `dtype="auto"`, the checkpoint's own dtype, which is float16
-    for Llama-2-7b-hf, and a float16 residual stream with no loss scaling is not the recipe (issue 34). On CPU the
+    for Llama-2-7b-hf, and a float16 residual stream with no loss scaling is not the recipe. On CPU the
     checkpoint's dtype is kept (the book's CPU checkpoints are fp32; the 7B-shaped smoke model is bf16).
 
     `compute_dtype` "float32" computes in fp32 on CUDA too, with an fp32 residual stream, as a CPU run does (a
@@ -217,7 +217,7 @@ def keep_trainable_dtype(model: torch.nn.Module, dtype: torch.dtype = torch.floa
     bf16 score head then meets fp32 hidden states outside the trainer, and bf16 adapters round every update.
     Called right after the trainer is built (its optimizer is created later, from these parameters); the
     SFT and reward stages call it for every LoRA run whatever the compute dtype (on a GPU, bf16 entries of an
-    adapter or score head would mostly not move at lr 2e-5, issue 34) and for fp32 runs. Taught in chapter 13.
+    adapter or score head would mostly not move at lr 2e-5) and for fp32 runs. Taught in chapter 13.
     """
     cast = 0
     for param in model.parameters():

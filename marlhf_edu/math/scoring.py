@@ -26,7 +26,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def last_token_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """(B, H) final hidden state at each row's last real token, from the backbone of a sequence-classification
     model (plain or peft-wrapped): what its score head reads. `use_cache=False`: a scoring pass never decodes
-    further, and the KV cache it would build costs about 10.7 GB at 7B for 64 x 320 tokens (issue 34)."""
+    further, and the KV cache it would build costs about 10.7 GB at 7B for 64 x 320 tokens."""
     seqcls = model.get_base_model() if hasattr(model, "get_base_model") else model
     backbone = getattr(seqcls, seqcls.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,

@@ -1,4 +1,4 @@
-"""What one GPU needs for each stage of a run, beyond the tensors chapter 10's planner counts (issue 34, item 10).
+"""What one GPU needs for each stage of a run, beyond the tensors chapter 10's planner counts.
 
 `MemoryPlan` (chapter 10) counts tensors: the model state plus the larger of two working sets, sampling
 (KV cache *plus* logits) or one update micro-batch. A GPU needs something else, stage by stage::

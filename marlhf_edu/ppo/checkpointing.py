@@ -60,7 +60,7 @@ def enable_checkpointing(model: nn.Module, recompute_context: Callable[[], conte
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), recompute_context())
     if hasattr(base, "activation_checkpointing_enable"):  # newer transformers (the old name warns there)
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:  # older ones inside pyproject's range (5.17 on a GPU image, issue 34)
+    else:  # older ones inside pyproject's range (5.17 on a GPU image)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # transformers also makes the embeddings' output require grad, which only the reentrant variant needs;
     # without the hook the autograd graph is the same as without checkpointing

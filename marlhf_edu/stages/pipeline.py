@@ -209,7 +209,7 @@ def release_memory() -> None:
     in reference cycles (callbacks, accelerate's state), so they outlive the stage until Python's cyclic collector
     happens to run: measured on an H100 with the 7B recipe, the reward stage started with 3.8 GiB still allocated by
     SFT and the PPO stage with 3.5 GiB left by the reward model (its peak 10.0 GiB instead of 7.1 GiB in a process of
-    its own; benchmarks/gpu_check.json, issue 34). Collect them now and hand the cached blocks back to the driver."""
+    its own; benchmarks/gpu_check.json). Collect them now and hand the cached blocks back to the driver."""
     import gc
 
     gc.collect()

@@ -69,7 +69,7 @@ def meta_parameter_count(shape) -> int:
 
 
 def checkpoint_problems(ref, shape) -> tuple[list[str], str]:
-    """`(problems, what was checked)` between the plan and the checkpoint the run will load (issue 34): the
+    """`(problems, what was checked)` between the plan and the checkpoint the run will load: the
     planner's shape against the checkpoint's own `config.json` (the meta-device build only checks the planner
     against itself), a pad token distinct from EOS, and embedding rows for every token id of the tokenizer."""
     folder = readable_checkpoint(ref)

@@ -158,7 +158,7 @@ def run_rm(script_args: RMScriptArguments, training_args, model_args, dataset=No
         dataset = with_file_pairs(dataset, tokenizer, script_args)
     check_lengths(dataset, tokenizer, training_args.max_length)
     held_out = None
-    eval_batch = training_args.per_device_eval_batch_size  # the held-out scoring's rows per forward (was fixed at 64)
+    eval_batch = training_args.per_device_eval_batch_size  # the held-out scoring's rows per forward
     if script_args.dataset_name != "toy" and script_args.eval_split:
         held_out = load_preference_data(script_args, tokenizer, split=script_args.eval_split)
         if script_args.max_tokens:

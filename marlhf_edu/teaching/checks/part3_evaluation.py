@@ -30,7 +30,7 @@ def check_rate_interval(fn: Callable, seed: int = 0) -> CheckReport:
     p), and requires that the interval contain p in at least 88 % of them (correct 95 % methods, the t-interval
     over the prompts' observed rates, a bootstrap over prompts or Wilson with the design effect, cover about
     90 % or more: the t-interval covered 90-97 % in the fixed cases of seeds 0, 191 and 192; 300 evaluations
-    give ±1.3 points of noise) and that it be on average at most 1.5 times
+    measure a coverage with a standard error of 1.3-1.7 points) and that it be on average at most 1.5 times
     as wide as the t-interval over the prompts' observed rates (an interval cannot buy its coverage by being
     useless). Counting every answer as independent (`wilson_interval` on all answers) covers about 54-84 %
     where the design effect 1 + (m − 1)ρ is 2 or more. Every interval routine of the package that reaches the
