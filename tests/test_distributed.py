@@ -269,7 +269,7 @@ def test_data_parallel_shapes_are_checked():
     from marlhf_edu.errors import ConfigError
     from marlhf_edu.ppo import PPOConfig
 
-    ok = PPOConfig(batch_size=8, mini_batch_size=4, micro_batch_size=2, rollout_seeding="per_chunk")
+    ok = PPOConfig(batch_size=8, mini_batch_size=4, micro_batch_size=2, forward_batch_size=4, rollout_seeding="per_chunk")
     ok.validate_data_parallel(2)
     PPOConfig().validate_data_parallel(1)  # one process: anything goes
     with pytest.raises(ConfigError, match="rollout_seeding: per_chunk"):
@@ -280,6 +280,13 @@ def test_data_parallel_shapes_are_checked():
         PPOConfig(batch_size=8, mini_batch_size=4, micro_batch_size=4, rollout_seeding="per_chunk").validate_data_parallel(2)
     with pytest.raises(ConfigError, match="rollout_seeding must be"):
         PPOConfig(rollout_seeding="per_rank").validate()
+    # per_chunk seeds forward chunks of the global batch: a rank's 4 rows of a 16-row chunk would be seeded as a chunk
+    # one process never forms (the 7B config, batch 16 and forward_batch_size 16, on 4 GPUs), so it is refused
+    with pytest.raises(ConfigError, match=r"forward_batch_size \(16\) must divide each rank's share of the batch \(4 rows"):
+        PPOConfig(batch_size=16, mini_batch_size=4, micro_batch_size=1, forward_batch_size=16,
+                  rollout_seeding="per_chunk").validate_data_parallel(4)
+    PPOConfig(batch_size=64, mini_batch_size=4, micro_batch_size=1, forward_batch_size=16,
+              rollout_seeding="per_chunk").validate_data_parallel(4)  # 16 rows a rank: one whole chunk
 
 
 def test_each_rank_trains_on_its_own_gpu(monkeypatch):

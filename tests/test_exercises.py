@@ -296,6 +296,32 @@ def test_classic_mistakes_fail():
     assert not ex.check_policy_loss(min_instead_of_max)
 
 
+def test_policy_loss_check_gives_little_to_a_missing_clip_or_min_for_max_and_withholds_grpo_loss():
+    """The cases that decide the exercise are the ones with ratios outside the clip range: an answer with no clip
+    or with min for max passes at most the two cases inside it, and `grpo_loss` (β = 0, token-mean: the same
+    loss) is no way round the exercise."""
+    from marlhf_edu.math.grpo import grpo_loss
+    from marlhf_edu.math.masked import masked_mean
+
+    def no_clip(lp, old, a, m, c, _mean=private_copy(masked_mean)):
+        return _mean(-a * torch.exp(lp - old), m)
+
+    def min_for_max(lp, old, a, m, c, _mean=private_copy(masked_mean)):
+        ratio = torch.exp(lp - old)
+        return _mean(torch.minimum(-a * ratio, -a * ratio.clamp(1 - c, 1 + c)), m)
+
+    for wrong in (no_clip, min_for_max):
+        for seed in (5, 151):
+            report = ex.check_policy_loss(wrong, seed=seed)
+            assert len(report.cases) - len(report.failures) <= 2, (wrong.__name__, seed, report.failures)
+
+    def through_grpo_loss(lp, old, a, m, c):
+        B, T = lp.shape
+        return grpo_loss(lp.reshape(-1, 1), old.reshape(-1, 1), None, a.reshape(-1), m.reshape(-1, 1), epsilon=c,
+                         aggregation="bnpo")
+    assert not ex.check_policy_loss(through_grpo_loss)
+
+
 def test_a_crashing_solution_is_reported_not_raised():
     def broken(*args):
         raise RuntimeError("not implemented")
@@ -566,3 +592,25 @@ def test_check_kv_cache_bytes_passes_the_reference_and_fails_classic_mistakes():
     assert not ex.check_kv_cache_bytes(lambda s, b, t, nb: cache(s, b, t, nb, heads="q"))  # every query head
     assert not ex.check_kv_cache_bytes(lambda s, b, t, nb: cache(s, b, t, nb, width=lambda sh: sh.hidden_size))
     assert not ex.check_kv_cache_bytes(lambda s, b, t, nb: cache(s, b, t, nb) / 2**30)  # GiB, not bytes
+
+
+def test_reward_loss_check_needs_a_differentiable_loss_and_withholds_dpo_loss():
+    """A loss computed outside autograd matches every value and cannot train a reward model; `dpo_loss` with zero
+    reference log-probs and β = 1 is the same loss, so it is withheld."""
+    import math
+
+    from marlhf_edu.math.dpo import dpo_loss
+
+    def outside_autograd(c, r, m=None):
+        gaps = (c - r - (m if m is not None else 0)).tolist()
+        return torch.tensor(sum(math.log1p(math.exp(-g)) if g > -30 else -g for g in gaps) / len(gaps))
+
+    def through_dpo_loss(c, r, m=None):
+        zero = torch.zeros_like(c)
+        return dpo_loss(c, r + (m if m is not None else 0), zero, zero, beta=1.0)[0]
+
+    report = ex.check_pairwise_reward_loss(outside_autograd)
+    assert not report and all("no gradient" in f for f in report.failures), report.failures
+    assert not ex.check_pairwise_reward_loss(through_dpo_loss)
+    assert ex.check_pairwise_reward_loss(lambda c, r, m=None: -torch.nn.functional.logsigmoid(
+        c - r - (m if m is not None else 0)).mean())

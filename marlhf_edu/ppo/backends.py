@@ -190,7 +190,7 @@ def response_values(values_full: torch.Tensor, n_response: int) -> torch.Tensor:
 def reward_model_as_critic(reward_base, adapter_dir):
     """`(backbone, score_weight)` of the reward model, its LoRA merged into a trainable copy of its backbone.
 
-    `critic_init: reward_model` starts the critic as the reward model (InstructGPT; MA-RLHF's ppo.py; trl's
+    `critic_init: reward_model` starts the critic as the reward model (InstructGPT; trl's
     later PPO): V(s) then begins near the score the episode will get, instead of at 0.
     """
     reward, _ = load_reward_model(reward_base, adapter_dir)

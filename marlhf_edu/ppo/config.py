@@ -58,7 +58,7 @@ class PPOConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                     "gate_proj", "up_proj", "down_proj"],
                                            metadata={"help": "the linear layers that get LoRA adapters (a YAML list)"})
-    critic_init: str = field(default="zero", metadata={"help": "'zero': the critic is the SFT backbone with a zero head; 'reward_model': the critic starts as the reward model (its backbone, adapter and score head), as InstructGPT and MA-RLHF do"})
+    critic_init: str = field(default="zero", metadata={"help": "'zero': the critic is the SFT backbone with a zero head; 'reward_model': the critic starts as the reward model (its backbone, adapter and score head), as InstructGPT does (MA-RLHF, through trl 0.11's value head, starts a random head on the policy)"})
     critic: str = field(default="separate", metadata={"help": "four-model only: 'separate' (a critic with its own backbone, chapter 09) or 'shared_head' (a value head on the actor's last hidden state, trl 0.11's AutoModelForCausalLMWithValueHead: one forward, one backbone less)"})
     merged_rollout: bool = field(default=False, metadata={"help": "sample rollouts from a dense copy of the policy with its LoRA merged (NF4 bases dequantized), refreshed after every update; log-probs still come from the training path (unless old_logprobs: sampler). Needs a LoRA policy; costs one dense copy of the model"})
     rollout_cache: str = field(default="dynamic", metadata={"help": "merged_rollout only: 'dynamic' (a KV cache that grows token by token) or 'static' (one preallocated KV cache of max_prompt_length + max_new_tokens; prompts are left-padded to max_prompt_length so every step samples in one shape, and on CUDA transformers compiles the decode step into CUDA graphs). The samples follow the same distribution; on CUDA the compiled kernels round differently (rollout/logprob_gap shows it)"})
@@ -291,6 +291,14 @@ class PPOConfig:
         if self.mini_batch_size % (world_size * self.micro_batch_size):
             raise ConfigError(f"mini_batch_size ({self.mini_batch_size}) is global and must split over {world_size} ranks "
                               f"into whole micro-batches of micro_batch_size ({self.micro_batch_size}) each")
+        shard = self.batch_size // world_size
+        if shard % self.forward_batch_size:
+            # per_chunk seeds each forward chunk of the *global* batch by its index: a rank whose rows are not whole
+            # chunks would seed its rows as chunks one process never forms, and sample other answers, silently
+            raise ConfigError(f"forward_batch_size ({self.forward_batch_size}) must divide each rank's share of the "
+                              f"batch ({shard} rows: batch_size {self.batch_size} over {world_size} ranks), so that "
+                              f"the ranks sample the forward chunks one process would; lower forward_batch_size or "
+                              f"raise batch_size")
         return self
 
     def resume_differences(self, saved: dict) -> list[str]:

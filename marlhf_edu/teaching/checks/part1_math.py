@@ -87,20 +87,20 @@ def check_sequence_means(fn: Callable, seed: int = 0) -> CheckReport:
     ])
 
 
-@_withholds("marlhf_edu.math.reward.pairwise_reward_loss")
+@_withholds("marlhf_edu.math.reward.pairwise_reward_loss", "marlhf_edu.math.dpo.dpo_loss")
 def check_pairwise_reward_loss(fn: Callable, seed: int = 1) -> CheckReport:
-    """Check `fn(chosen, rejected, margin=None) -> scalar`. Chapter 01's exercise."""
+    """Check `fn(chosen, rejected, margin=None) -> scalar`: its value and its gradient with respect to `chosen`
+    (a loss computed outside autograd cannot train a reward model). `dpo_loss` is withheld too: with zero
+    reference log-probs and β = 1 it is this loss. Chapter 01's exercise."""
     fn = _learner(fn, check_pairwise_reward_loss)
     gen = torch.Generator().manual_seed(seed)
     c, r = torch.randn(16, generator=gen), torch.randn(16, generator=gen)
     margin = torch.randint(0, 4, (16,), generator=gen).float()
 
     def case(label, chosen, rejected, m=None):
-        def run():
-            expected = pairwise_reward_loss(chosen, rejected, m)
-            got = fn(chosen, rejected) if m is None else fn(chosen, rejected, m)
-            return _compare(label, _first_tensor(got), expected, 1e-5, 1e-5)
-        return label, run
+        inputs = (lambda: [chosen.clone(), rejected.clone()]) if m is None else (
+            lambda: [chosen.clone(), rejected.clone(), m.clone()])
+        return _loss_and_grad_case(fn, label, inputs, pairwise_reward_loss, wrt=0)
 
     return _run("check_pairwise_reward_loss", seed=seed, cases=[
         case("random scores", c, r),
@@ -285,6 +285,8 @@ def _loss_and_grad_case(fn, label, make_inputs, reference, wrt: int, atol_grad: 
         problem = _compare(f"{label} (loss)", got, expected, 1e-5, 1e-5)
         if problem:
             return problem
+        if not got.requires_grad:  # computed outside autograd (.item(), numpy, math): nothing to train with
+            return f"{label}: the loss does not depend on its input {wrt} through autograd (no gradient)"
         got.backward()
         if inputs[wrt].grad is None:
             return f"{label}: the loss does not depend on its input {wrt} (no gradient)"
@@ -345,13 +347,16 @@ def check_expected_estimate(fn: Callable, seed: int = 0) -> CheckReport:
     return _run("check_expected_estimate", seed=seed, cases=cases)
 
 
-@_withholds("marlhf_edu.math.ppo_objective.policy_loss", "marlhf_edu.math.ppo_objective.ppo_loss")
+@_withholds("marlhf_edu.math.ppo_objective.policy_loss", "marlhf_edu.math.ppo_objective.ppo_loss",
+            "marlhf_edu.math.grpo.grpo_loss")
 def check_policy_loss(fn: Callable, seed: int = 5) -> CheckReport:
     """Check `fn(logprobs, old_logprobs, advantages, mask, cliprange) -> loss` (or `(loss, stats)`).
 
-    Compares the loss value and its gradient with respect to `logprobs`, so a
-    min/max mix-up that happens to give the right value still fails.
-    Chapter 06's first exercise.
+    Compares the loss value and its gradient with respect to `logprobs` (a ratio from detached log-probs has
+    the right value and no gradient). Most cases put ratios outside [1 − ε, 1 + ε], above, below and on both
+    sides, with advantages of both signs, where `min` for `max` or a missing clip changes the value:
+    such an answer passes at most the two cases inside the clip range. `grpo_loss` is withheld too: its
+    token-mean form with β = 0 is this loss. Chapter 06's first exercise.
     """
     fn = _learner(fn, check_policy_loss)
     gen = torch.Generator().manual_seed(seed)
@@ -363,11 +368,15 @@ def check_policy_loss(fn: Callable, seed: int = 5) -> CheckReport:
         return _loss_and_grad_case(fn, label, lambda: [(old + shift).clone(), old.clone(), adv.clone(), mask.clone(), 0.2],
                                    policy_loss, wrt=0)
 
+    sides = torch.where(torch.rand(4, 6, generator=gen) < 0.5, -0.4, 0.4)  # ratios 0.67 or 1.49: all outside
     return _run("check_policy_loss", seed=seed, cases=[
         case("ratio exactly 1", torch.zeros(4, 6)),
-        case("small policy change", 0.05 * torch.randn(4, 6, generator=gen)),
+        case("small policy change (inside the clip range)", 0.05 * torch.randn(4, 6, generator=gen)),
         case("large policy change (clip active)", 0.6 * torch.randn(4, 6, generator=gen)),
-        case("garbage in padding", torch.where(mask.bool(), 0.1, 50.0)),
+        case("every ratio above 1 + ε, advantages of both signs", torch.full((4, 6), 0.4)),
+        case("every ratio below 1 − ε, advantages of both signs", torch.full((4, 6), -0.4)),
+        case("ratios on both sides of the clip range", sides),
+        case("garbage in padding (clip active on the real tokens)", torch.where(mask.bool(), 0.4, 50.0)),
     ])
 
 
