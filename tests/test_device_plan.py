@@ -125,12 +125,14 @@ def test_the_advice_follows_the_peak_and_the_settings():
     """Four GPUs sharing the config's 16 rollouts: 4 each, so the merged run's peak moves to the update, whose
     micro-batch is already 1 with checkpointing on: only shorter answers help there."""
     with pytest.raises(ConfigError, match=r"peak is in update: turn merged_rollout off .*, shorten max_new_tokens") as e:
-        preflight(SEVEN_B + ["--gpu_memory_gib", "16", "--merged_rollout", "true", "--num_gpus", "4"])
+        preflight(SEVEN_B + ["--gpu_memory_gib", "16", "--merged_rollout", "true", "--num_gpus", "4",
+                             "--forward_batch_size", "4"])
     assert "micro_batch_size" not in str(e.value) and "turn on gradient_checkpointing" not in str(e.value)
     with pytest.raises(ConfigError, match=r"peak is in update: turn merged_rollout off .*, lower micro_batch_size, turn on "
                                           r"gradient_checkpointing"):
         preflight(SEVEN_B + ["--gpu_memory_gib", "16", "--merged_rollout", "true", "--num_gpus", "4",
-                             "--micro_batch_size", "2", "--mini_batch_size", "8", "--gradient_checkpointing", "false"])
+                             "--forward_batch_size", "4", "--micro_batch_size", "2", "--mini_batch_size", "8",
+                             "--gradient_checkpointing", "false"])
 
 
 def test_a_merged_rollout_run_is_checked_against_its_own_need():

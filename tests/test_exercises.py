@@ -315,6 +315,16 @@ def test_policy_loss_check_gives_little_to_a_missing_clip_or_min_for_max_and_wit
             report = ex.check_policy_loss(wrong, seed=seed)
             assert len(report.cases) - len(report.failures) <= 2, (wrong.__name__, seed, report.failures)
 
+    def fixed_clip_range(lp, old, a, m, c, _mean=private_copy(masked_mean)):  # ignores its cliprange argument
+        ratio = torch.exp(lp - old)
+        return _mean(torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)), m)
+    assert not ex.check_policy_loss(fixed_clip_range)
+
+    def one_element(lp, old, a, m, c, _mean=private_copy(masked_mean)):  # right, as a (1,) tensor: trains fine
+        ratio = torch.exp(lp - old)
+        return _mean(torch.maximum(-a * ratio, -a * ratio.clamp(1 - c, 1 + c)), m).reshape(1)
+    assert ex.check_policy_loss(one_element)
+
     def through_grpo_loss(lp, old, a, m, c):
         B, T = lp.shape
         return grpo_loss(lp.reshape(-1, 1), old.reshape(-1, 1), None, a.reshape(-1), m.reshape(-1, 1), epsilon=c,
@@ -612,5 +622,8 @@ def test_reward_loss_check_needs_a_differentiable_loss_and_withholds_dpo_loss():
     report = ex.check_pairwise_reward_loss(outside_autograd)
     assert not report and all("no gradient" in f for f in report.failures), report.failures
     assert not ex.check_pairwise_reward_loss(through_dpo_loss)
+    detached = ex.check_pairwise_reward_loss(lambda c, r, m=None: -torch.nn.functional.logsigmoid(
+        c - r.detach() - (m if m is not None else 0)).mean())  # the rejected score would never train
+    assert not detached and all("input 1" in f for f in detached.failures), detached.failures
     assert ex.check_pairwise_reward_loss(lambda c, r, m=None: -torch.nn.functional.logsigmoid(
         c - r - (m if m is not None else 0)).mean())

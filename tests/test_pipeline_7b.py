@@ -157,6 +157,18 @@ def test_the_7b_pipeline_is_wired_and_every_stage_parses():
     assert config.total_steps == 5 and config.rollout_seeding == "per_chunk"
 
 
+def test_a_split_over_ranks_that_ma_ppo_refuses_fails_when_the_stages_parse(monkeypatch):
+    """Under `accelerate launch` (WORLD_SIZE set) the MA-PPO stage's split over the ranks is checked when the
+    pipeline parses its stages, not after SFT and the reward model have trained: the 7B config's 16 rollouts on 4
+    ranks are 4 rows of a 16-row forward chunk, which per_chunk seeding cannot split."""
+    monkeypatch.setenv("WORLD_SIZE", "4")  # what accelerate launch sets in every rank
+    stages, _ = load_pipeline(PIPELINE, [])
+    with pytest.raises(ConfigError, match=r"forward_batch_size \(16\) must divide each rank's share"):
+        stages[2].parse()  # the pipeline parses every stage before SFT starts (the test below)
+    stages, _ = load_pipeline(PIPELINE, ["--ma-ppo.batch_size", "64"])
+    assert stages[2].parse()[0].batch_size == 64  # 16 a rank: one whole chunk
+
+
 def test_a_mistake_in_the_last_stage_fails_before_any_work(tmp_path):
     from marlhf_edu.stages.pipeline import main
 

@@ -49,7 +49,9 @@ def test_too_small_a_gpu_fails_naming_the_largest_parts(capsys):
 
 def test_per_rank_plan_and_the_data_parallel_launch_for_several_gpus(capsys):
     one = main(SEVEN_B + ["--gpu_memory_gib", "80"])
-    two = main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "2"])
+    with pytest.raises(ConfigError, match=r"forward_batch_size \(16\) must divide each rank's share of the batch \(8 rows"):
+        main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "2"])  # per_chunk seeds whole chunks of 16
+    two = main(SEVEN_B + ["--gpu_memory_gib", "80", "--num_gpus", "2", "--forward_batch_size", "8"])
     text = capsys.readouterr().out
     assert "8 rollouts per rank" in text
     assert ("launch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True accelerate launch --config_file "

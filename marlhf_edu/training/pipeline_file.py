@@ -4,6 +4,7 @@ the wiring of each stage's output into the next (`wire`). `marlhf-edu preflight`
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 from marlhf_edu.errors import ConfigError
@@ -80,7 +81,9 @@ class Stage:
     def parse(self):
         parsed = parse_stage_args(_config_types(self.kind), ["--config", self.config, *self.argv])
         if self.kind == "ppo":
-            parsed[0].validate()
+            # under `accelerate launch` the split over ranks is known before any stage runs: refuse a bad one now,
+            # not after hours of SFT and reward-model training
+            parsed[0].validate().validate_data_parallel(int(os.environ.get("WORLD_SIZE", "1")))
         return parsed
 
     def output_dir(self, parsed) -> pathlib.Path:

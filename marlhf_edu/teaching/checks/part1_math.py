@@ -89,8 +89,8 @@ def check_sequence_means(fn: Callable, seed: int = 0) -> CheckReport:
 
 @_withholds("marlhf_edu.math.reward.pairwise_reward_loss", "marlhf_edu.math.dpo.dpo_loss")
 def check_pairwise_reward_loss(fn: Callable, seed: int = 1) -> CheckReport:
-    """Check `fn(chosen, rejected, margin=None) -> scalar`: its value and its gradient with respect to `chosen`
-    (a loss computed outside autograd cannot train a reward model). `dpo_loss` is withheld too: with zero
+    """Check `fn(chosen, rejected, margin=None) -> scalar`: its value and its gradients with respect to `chosen`
+    and `rejected` (a loss computed outside autograd, or with `rejected` detached, cannot train a reward model). `dpo_loss` is withheld too: with zero
     reference log-probs and β = 1 it is this loss. Chapter 01's exercise."""
     fn = _learner(fn, check_pairwise_reward_loss)
     gen = torch.Generator().manual_seed(seed)
@@ -100,7 +100,7 @@ def check_pairwise_reward_loss(fn: Callable, seed: int = 1) -> CheckReport:
     def case(label, chosen, rejected, m=None):
         inputs = (lambda: [chosen.clone(), rejected.clone()]) if m is None else (
             lambda: [chosen.clone(), rejected.clone(), m.clone()])
-        return _loss_and_grad_case(fn, label, inputs, pairwise_reward_loss, wrt=0)
+        return _loss_and_grad_case(fn, label, inputs, pairwise_reward_loss, wrt=(0, 1))
 
     return _run("check_pairwise_reward_loss", seed=seed, cases=[
         case("random scores", c, r),
@@ -272,25 +272,36 @@ def check_gae_bootstrap(fn: Callable, seed: int = 4) -> CheckReport:
     ])
 
 
-def _loss_and_grad_case(fn, label, make_inputs, reference, wrt: int, atol_grad: float = 1e-6):
-    """Compare a learner's loss and its gradient with respect to input `wrt` with the reference's."""
+def _loss_and_grad_case(fn, label, make_inputs, reference, wrt, atol_grad: float = 1e-6):
+    """Compare a learner's loss and its gradient with respect to input `wrt` (an index, or a tuple of them) with
+    the reference's. A one-element loss of shape (1,) counts as the scalar it holds."""
+    indices = (wrt,) if isinstance(wrt, int) else tuple(wrt)
+
     def run():
         ref_inputs = make_inputs()
-        ref_inputs[wrt].requires_grad_(True)
+        for i in indices:
+            ref_inputs[i].requires_grad_(True)
         expected = _first_tensor(reference(*ref_inputs))
         expected.backward()
         inputs = make_inputs()
-        inputs[wrt].requires_grad_(True)
+        for i in indices:
+            inputs[i].requires_grad_(True)
         got = _first_tensor(fn(*inputs))
+        if isinstance(got, torch.Tensor) and got.dim() == 1 and got.numel() == 1 and expected.dim() == 0:
+            got = got.reshape(())
         problem = _compare(f"{label} (loss)", got, expected, 1e-5, 1e-5)
         if problem:
             return problem
         if not got.requires_grad:  # computed outside autograd (.item(), numpy, math): nothing to train with
-            return f"{label}: the loss does not depend on its input {wrt} through autograd (no gradient)"
+            return f"{label}: the loss does not depend on its inputs through autograd (no gradient)"
         got.backward()
-        if inputs[wrt].grad is None:
-            return f"{label}: the loss does not depend on its input {wrt} (no gradient)"
-        return _compare(f"{label} (gradient)", inputs[wrt].grad, ref_inputs[wrt].grad, atol_grad, 1e-5)
+        for i in indices:
+            if inputs[i].grad is None:
+                return f"{label}: the loss does not depend on its input {i} (no gradient)"
+            problem = _compare(f"{label} (gradient, input {i})", inputs[i].grad, ref_inputs[i].grad, atol_grad, 1e-5)
+            if problem:
+                return problem
+        return None
     return label, run
 
 
@@ -364,8 +375,8 @@ def check_policy_loss(fn: Callable, seed: int = 5) -> CheckReport:
     adv = torch.randn(4, 6, generator=gen)
     mask = _padded_mask(gen, 4, 6).float()
 
-    def case(label, shift):
-        return _loss_and_grad_case(fn, label, lambda: [(old + shift).clone(), old.clone(), adv.clone(), mask.clone(), 0.2],
+    def case(label, shift, eps=0.2):
+        return _loss_and_grad_case(fn, label, lambda: [(old + shift).clone(), old.clone(), adv.clone(), mask.clone(), eps],
                                    policy_loss, wrt=0)
 
     sides = torch.where(torch.rand(4, 6, generator=gen) < 0.5, -0.4, 0.4)  # ratios 0.67 or 1.49: all outside
@@ -376,6 +387,7 @@ def check_policy_loss(fn: Callable, seed: int = 5) -> CheckReport:
         case("every ratio above 1 + ε, advantages of both signs", torch.full((4, 6), 0.4)),
         case("every ratio below 1 − ε, advantages of both signs", torch.full((4, 6), -0.4)),
         case("ratios on both sides of the clip range", sides),
+        case("another clip range, ε = 0.1 (ratios 0.86 and 1.16)", 0.375 * sides, eps=0.1),
         case("garbage in padding (clip active on the real tokens)", torch.where(mask.bool(), 0.4, 50.0)),
     ])
 
