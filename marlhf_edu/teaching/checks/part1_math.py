@@ -90,8 +90,8 @@ def check_sequence_means(fn: Callable, seed: int = 0) -> CheckReport:
 @_withholds("marlhf_edu.math.reward.pairwise_reward_loss", "marlhf_edu.math.dpo.dpo_loss")
 def check_pairwise_reward_loss(fn: Callable, seed: int = 1) -> CheckReport:
     """Check `fn(chosen, rejected, margin=None) -> scalar`: its value and its gradients with respect to `chosen`
-    and `rejected` (a loss computed outside autograd, or with `rejected` detached, cannot train a reward model). `dpo_loss` is withheld too: with zero
-    reference log-probs and β = 1 it is this loss. Chapter 01's exercise."""
+    and `rejected` (a loss computed outside autograd, or with `rejected` detached, cannot train a reward model).
+    `dpo_loss` is withheld too: with zero reference log-probs and β = 1 it is this loss. Chapter 01's exercise."""
     fn = _learner(fn, check_pairwise_reward_loss)
     gen = torch.Generator().manual_seed(seed)
     c, r = torch.randn(16, generator=gen), torch.randn(16, generator=gen)
