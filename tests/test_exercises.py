@@ -201,7 +201,8 @@ def test_new_exercise_checkers_fail_classic_mistakes():
     gae = private_copy(gae_advantages_reference)
     assert not ex.check_gae_bootstrap(lambda v, r, m, b, g, l: gae(v, r, m, g, l))  # bootstrap ignored
     assert ex.check_gae_bootstrap(lambda v, r, m, b, g, l: gae(v, _last_plus(r, m, g * b), m, g, l))
-    assert not ex.check_gae_bootstrap(lambda v, r, m, b, g, l: gae(v, _last_plus(r, m, b), m, g, l))  # b not discounted
+    undiscounted = ex.check_gae_bootstrap(lambda v, r, m, b, g, l: gae(v, _last_plus(r, m, b), m, g, l))  # b, not γ·b
+    assert [p is None for p in undiscounted.problems] == [True] + [False] * 6  # only the case whose bootstrap is 0
     assert not ex.check_gae_bootstrap(  # bootstrap added to the returns only
         lambda v, r, m, b, g, l: (lambda a, ret: (a, _last_plus(ret, m, g * b)))(*gae(v, r, m, g, l)))
     vl = private_copy(value_loss)

@@ -256,18 +256,19 @@ def check_gae_bootstrap(fn: Callable, seed: int = 4) -> CheckReport:
     boot = torch.randn(4, generator=gen)
     truncated = torch.tensor([True, False, True, False])
 
-    def case(label, values, rewards, mask, b, gamma=1.0, lam=0.95):
+    # γ < 1 wherever a bootstrap is non-zero: at γ = 1 an answer that adds b where γ·b belongs would pass
+    def case(label, values, rewards, mask, b, gamma=0.9, lam=0.95):
         return _gae_case(fn, label, values, rewards, mask, gamma, lam,
                          lambda: gae_with_bootstrap_reference(values, rewards, mask, b, gamma, lam), extra=(b.clone(),))
 
     one = torch.zeros(4, 8).index_fill_(1, torch.tensor([0]), 1.0)
     return _run("check_gae_bootstrap", seed=seed, cases=[
-        case("every row ended (bootstrap 0): plain GAE", v, r, right.float(), torch.zeros(4)),
+        case("every row ended (bootstrap 0): plain GAE", v, r, right.float(), torch.zeros(4), 1.0),
         case("every row truncated, no padding", v, r, torch.ones(4, 8), boot),
         case("some rows truncated, right padding", v, r, right.float(), torch.where(truncated, boot, 0.0)),
         case("padding holds garbage", torch.where(right, v, 1e3), torch.where(right, r, -1e3), right.float(), boot),
-        case("gamma = 0.9, lambda = 0 (TD residual)", v, r, right.float(), boot, 0.9, 0.0),
-        case("gamma = 0.9, lambda = 0.8", v, r, right.float(), boot, 0.9, 0.8),
+        case("gamma = 0.8, lambda = 0 (TD residual)", v, r, right.float(), boot, 0.8, 0.0),
+        case("gamma = 0.97, lambda = 0.8", v, r, right.float(), boot, 0.97, 0.8),
         case("one real token per row", v, r, one, boot, 0.95, 0.9),
     ])
 
