@@ -106,6 +106,9 @@ def test_the_disk_plan_matches_the_h100_run():
     # the recipe keeps two checkpoints and writes a third before deleting the oldest
     assert held_checkpoints(2) == 3 and held_checkpoints(None) == 2
     assert disk["sft output"] == trl_output_bytes(trl_trainable_bytes(LLAMA_2_7B, trl["sft"], 0), 3)
+    # the engine's checkpoints hold the trainables, AdamW's two moments and a copy of the policy adapter each
+    trainable = 2**28
+    assert run_disk(LLAMA_2_7B, ppo_trainable=trainable)["ppo output"] == trainable + 3 * 4 * trainable
 
 
 def test_preflight_plans_every_stage_and_the_disk(capsys):

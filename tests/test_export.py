@@ -23,9 +23,35 @@ SMALL = dict(batch_size=8, mini_batch_size=8, micro_batch_size=8, forward_batch_
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("ma_ppo") / "run"
-    config = PPOConfig(output_dir=str(out), load_in_4bit=False, **SMALL)
+    config = PPOConfig(output_dir=str(out), load_in_4bit=False, save_steps=1, **SMALL)
     result = ppo_stage.run(config, MultiAdapterBackend.from_config, progress=False)
     return out, result["trainer"]
+
+
+def test_each_checkpoint_holds_the_policy_at_its_step_as_a_model_reference(trained):
+    """A run's answers can be read at any checkpoint, while it runs or after it stopped: `checkpoints/step-N/policy`
+    is written as the finished run's `policy/` is, is covered by the checkpoint's checksums, and loads as a model."""
+    from safetensors.torch import load_file
+
+    from marlhf_edu.ppo.run_files import verify_checkpoint
+
+    out, trainer = trained
+    ckpts = out / "checkpoints"
+    weights = {step: load_file(str(ckpts / f"step-{step:06d}" / "policy" / "adapter_model.safetensors"))
+               for step in (1, 2)}
+    final = load_file(str(out / "policy" / "adapter_model.safetensors"))
+    assert weights[2].keys() == final.keys() and all(torch.equal(weights[2][k], final[k]) for k in final)
+    assert any(not torch.equal(weights[1][k], final[k]) for k in final)  # step 1's policy, not the final one
+    config = json.loads((ckpts / "step-000001" / "policy" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "zoo"
+    state = verify_checkpoint(ckpts / "step-000001")
+    assert {"policy/adapter_model.safetensors", "policy/adapter_config.json"} <= set(state["sha256"])
+    model, _ = load_sft_model(str(ckpts / "step-000001" / "policy"))  # what `generate --model` loads
+    assert sum(p.numel() for p in model.parameters()) > 0
+    victim = ckpts / "step-000001" / "policy" / "adapter_model.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(ValueError, match="policy/adapter_model.safetensors does not match its recorded sha256"):
+        verify_checkpoint(ckpts / "step-000001")
 
 
 def test_the_run_exports_its_policy_as_an_adapter_on_its_sft_model(trained):

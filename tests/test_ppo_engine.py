@@ -46,12 +46,18 @@ def test_response_mask_keeps_first_eos_only():
     assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
+def test_a_fixed_kl_coefficient_logs_no_target(tmp_path, prompts):
+    record = make_trainer(tmp_path, prompts, adaptive_kl=False, total_steps=1).step()
+    assert "kl/target" not in record and record["kl/coef"] == small_config(tmp_path).kl_coef
+
+
 def test_first_step_ratio_one_kl_zero_values_zero(tmp_path, prompts):
     trainer = make_trainer(tmp_path, prompts, ppo_epochs=2)
     record = trainer.step()
     r = trainer.last_rollout
     # policy == reference at step 0, computed the same way: the KL is zero
     assert record["kl/k1"] == pytest.approx(0.0, abs=1e-6) and record["kl/k3"] == pytest.approx(0.0, abs=1e-6)
+    assert record["kl/target"] == trainer.config.adaptive_kl_target  # adaptive β: its aim is in every record
     # dropout off and the same temperature in sampling and scoring: the first minibatch's ratio is exactly 1
     first = trainer.minibatch_stats[0]
     assert first["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
@@ -365,7 +371,8 @@ def test_killed_and_resumed_run_matches_uninterrupted(tmp_path):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5, abs=1e-7), (ra["step"], key)
     # the checkpoint holds what a resume needs
     ckpt = straight / "checkpoints" / (straight / "checkpoints" / "latest").read_text()
-    assert {p.name for p in ckpt.iterdir()} == {"trainable.safetensors", "optimizer.pt", "rng.pt", "state.json"}
+    assert {p.name for p in ckpt.iterdir()} == {"trainable.safetensors", "optimizer.pt", "rng.pt", "state.json",
+                                                "policy"}
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 6 and state["data_position"] == 48 and "value" in state["kl_controller"]
 

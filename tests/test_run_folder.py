@@ -133,7 +133,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     ppo_main([*args, "--output_dir", str(damaged)], progress=False)
     latest = damaged / "checkpoints" / "step-000003"
     state = json.loads((latest / "state.json").read_text())
-    assert set(state["sha256"]) == {"trainable.safetensors", "optimizer.pt", "rng.pt"}
+    assert {"trainable.safetensors", "optimizer.pt", "rng.pt"} <= set(state["sha256"])
     if damage.startswith("zeroed"):
         data = bytearray((latest / "trainable.safetensors").read_bytes())
         data[-6000:-6000 + 4096] = bytes(4096)  # inside the tensor data: the file still loads, with wrong values

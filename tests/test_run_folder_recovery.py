@@ -103,6 +103,9 @@ def test_a_latest_leading_out_of_the_run_is_never_followed(run, tmp_path, pointe
     (lambda s: s.update(world_size=None), "field 'world_size' is None"),
     (lambda s: s.pop("config"), "field 'config' is missing"),
     (lambda s: s.clear() or s.update(step=3), "field 'world_size' is missing"),
+    # a checksum's name leading out of the folder: verifying it would read (hash) a file of another run
+    (lambda s: s["sha256"].update({"../step-000002/optimizer.pt": "0" * 64}), "field 'sha256' is {"),
+    (lambda s: s["sha256"].update({"/etc/hostname": "0" * 64}), "by its path inside the checkpoint"),
 ])
 def test_a_state_without_checksums_or_with_a_field_missing_or_mistyped_is_not_used(run, change, said):
     """Such a checkpoint is passed over like a damaged one (naming state.json and the field), for the one before."""

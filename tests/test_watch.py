@@ -44,6 +44,10 @@ def test_reward_hacking_needs_the_judge_to_fall_while_the_score_rises():
 def test_thresholds_are_the_arguments_and_findings_say_where():
     records = run(**{"kl/k1": lambda t: 7.0})
     assert rules(records) == ["kl_runaway"] and rules(records, kl_limit=8.0) == []
+    # a run held at its adaptive controller's target (the 7B config's is 6) is where it was asked to be
+    held = run(**{"kl/k1": lambda t: 6.5, "kl/target": lambda t: 6.0})
+    assert rules(held) == [] and rules(run(**{"kl/k1": lambda t: 9.5, "kl/target": lambda t: 6.0})) == ["kl_runaway"]
+    assert rules(held, kl_limit=6.0) == ["kl_runaway"]  # a limit given is the limit
     (finding,) = check_run(run(**{"ppo/skipped_minibatches": lambda t: 2 if t == 4 else 0}))
     assert finding == Finding("skipped_minibatches", 4, "2 minibatch(es) skipped by the ratio threshold")
     assert str(finding).startswith("step 4: skipped_minibatches:")

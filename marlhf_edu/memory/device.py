@@ -256,10 +256,11 @@ def plan_rm_stage(shape: ModelShape, t: TrlStage, assumptions: DeviceAssumptions
     return StageNeed("rm", _trl_resident(shape, t, False, trainable, frozen_head, assumptions), working, assumptions)
 
 
-def trl_output_bytes(trainable: int, checkpoints: int) -> int:
+def trl_output_bytes(trainable: int, checkpoints: int, exported: int = 0) -> int:
     """A LoRA stage's output folder (trl's, or the PPO engine's) holding `checkpoints` checkpoints: the final
-    adapter, and in each checkpoint the adapter and AdamW's two moments (3 x the trainable bytes)."""
-    return trainable + checkpoints * 3 * trainable
+    adapter, and in each checkpoint the adapter and AdamW's two moments (3 x the trainable bytes) and `exported`
+    bytes more (the PPO engine's copy of the policy adapter in each checkpoint)."""
+    return trainable + checkpoints * (3 * trainable + exported)
 
 
 def held_checkpoints(save_total_limit: int | None) -> int:
@@ -272,8 +273,9 @@ def run_disk(shape: ModelShape, checkpoint_dtype: str = "float16", sft: TrlStage
              rm: TrlStage | None = None, ppo_trainable: int = 0) -> dict[str, int]:
     """Bytes on disk of a run at its fullest: the base checkpoint as downloaded, the SFT adapter merged into a copy
     of it (the model cache, read by the reward and PPO stages), each stage's output folder (PPO keeps its newest
-    two checkpoints, trainables and AdamW state, writes a third before deleting the oldest, and exports the policy
-    adapter). H100, one step per stage: the base and the merged copy 12.55 GiB each, the SFT and RM folders with
+    two checkpoints, trainables, AdamW state and the policy adapter, writes a third before deleting the oldest,
+    and exports the policy adapter; the policy adapter is counted as all the trainable bytes, which with a value
+    adapter over-plans it by that adapter). H100, one step per stage: the base and the merged copy 12.55 GiB each, the SFT and RM folders with
     one checkpoint each 1.50 GiB together."""
     params = shape.n_params * DTYPE_BYTES[checkpoint_dtype]
     disk = {"base checkpoint": params}
@@ -284,7 +286,7 @@ def run_disk(shape: ModelShape, checkpoint_dtype: str = "float16", sft: TrlStage
         disk["rm output"] = trl_output_bytes(trl_trainable_bytes(shape, rm, shape.hidden_size * 4),
                                              held_checkpoints(rm.save_total_limit))
     if ppo_trainable:
-        disk["ppo output"] = trl_output_bytes(ppo_trainable, held_checkpoints(2))
+        disk["ppo output"] = trl_output_bytes(ppo_trainable, held_checkpoints(2), exported=ppo_trainable)
     disk["total"] = sum(disk.values())
     return disk
 

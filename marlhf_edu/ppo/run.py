@@ -21,11 +21,11 @@ from marlhf_edu.data.template import template_for
 from marlhf_edu.data.toyworld import ToyWorld, ToyWorldConfig
 from marlhf_edu.errors import ConfigError, DataFileError
 from marlhf_edu.loading.adapters import RewardAdapter, check_same_vocabulary
-from marlhf_edu.loading.sources import load_tokenizer, record_base, resolve_zoo, same_model_path
+from marlhf_edu.loading.sources import load_tokenizer, resolve_zoo, same_model_path
 from marlhf_edu.ppo.backends import FourModelBackend, PPOBackend
 from marlhf_edu.ppo.distributed import DataParallel
 from marlhf_edu.ppo.judging import evaluation_judge, evaluation_table, judge_policy, periodic_evaluation
-from marlhf_edu.ppo.run_files import RunLock, check_run_folder, set_aside_stopped_run
+from marlhf_edu.ppo.run_files import RunLock, check_run_folder, export_policy, set_aside_stopped_run
 from marlhf_edu.ppo.trainer import PPOTrainer, check_prompt_lengths
 
 
@@ -89,14 +89,6 @@ def set_aside_evaluation_records(out: pathlib.Path, problems: dict[str, str]) ->
         os.replace(out / name, out / f"{name}.damaged")
         print(f"ppo: {out / name} is damaged ({problem}); moved to {name}.damaged, and this run writes it again "
               "(the policy before training is evaluated once more, before the checkpoint loads)")
-
-
-def export_policy(backend, config, out_dir) -> None:
-    """The trained policy as `out_dir`: a LoRA adapter whose `base_model_name_or_path` is the run's SFT model (so
-    `marlhf-edu merge`, `generate` and any stage take it as a model reference), or the whole actor when it trained
-    in full. An adapter trained on an NF4 base applies to the full-precision SFT model, as QLoRA adapters do."""
-    backend.export_policy(out_dir)
-    record_base(out_dir, config.sft_model_path)
 
 
 def engine_of(backend_factory) -> type[PPOBackend]:

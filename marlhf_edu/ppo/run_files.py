@@ -6,7 +6,10 @@ changed. A run stopped before its first checkpoint has nothing to resume: `--res
 A run folder holds `metrics.jsonl` (one record per step), `eval_curve.jsonl` (with `eval_every`),
 `eval.json` / `eval_samples.jsonl` (before and after) and `checkpoints/step-NNNNNN/` (the newest two) with
 `checkpoints/latest` naming the newest complete one (a hint only: never followed out of `checkpoints/`, and not
-needed). Used by `PPOTrainer` (chapter 09 teaches checkpoints).
+needed). Each checkpoint holds what a resume loads (`trainable.safetensors`, `optimizer.pt`, the random states)
+and the policy at that step as `policy/`, written as the finished run's `policy/` is (`export_policy`), so its
+answers can be read (`marlhf-edu generate`) while the run goes on or after it stopped. Used by `PPOTrainer`
+(chapter 09 teaches checkpoints).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import torch
 
 from marlhf_edu.errors import ConfigError, DataFileError
 from marlhf_edu.loading.model_cache import file_sha256 as sha256_of
+from marlhf_edu.loading.sources import record_base
+
+#: A checkpoint's copy of the policy at its step, a model reference like the finished run's `policy/`.
+CHECKPOINT_POLICY = "policy"
 
 
 def fsync_path(path: pathlib.Path) -> None:
@@ -32,13 +39,25 @@ def fsync_path(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+def export_policy(backend, config, out_dir) -> None:
+    """The policy as `out_dir`: a LoRA adapter whose `base_model_name_or_path` is the run's SFT model (so
+    `marlhf-edu merge`, `generate` and any stage take it as a model reference), or the whole actor when it trained
+    in full. An adapter trained on an NF4 base applies to the full-precision SFT model, as QLoRA adapters do.
+    Written at the end of a run (`output_dir/policy`) and into each checkpoint (`CHECKPOINT_POLICY`)."""
+    backend.export_policy(out_dir)
+    record_base(out_dir, config.sft_model_path)
+
+
 def seal_checkpoint(folder: pathlib.Path, state: dict) -> None:
     """Write `state.json` into a checkpoint folder whose other files are written, with the sha256 of each of
-    them (`state["sha256"]`), and fsync everything, folder included: the caller renames it into place next."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != "state.json")
+    them, those in its subfolders (`policy/`) included, under their paths inside the folder (`state["sha256"]`),
+    and fsync everything, folders included: the caller renames it into place next."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / "state.json")
     for p in files:
         fsync_path(p)
-    state = {**state, "sha256": {p.name: sha256_of(p) for p in files}}
+    for sub in sorted({p.parent for p in files} - {folder}):
+        fsync_path(sub)
+    state = {**state, "sha256": {p.relative_to(folder).as_posix(): sha256_of(p) for p in files}}
     (folder / "state.json").write_text(json.dumps(state, indent=2))
     fsync_path(folder / "state.json")
     fsync_path(folder)
@@ -46,6 +65,12 @@ def seal_checkpoint(folder: pathlib.Path, state: dict) -> None:
 
 def _whole(value, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _inside(name: str) -> bool:
+    """Whether a checksum's file name stays inside the checkpoint folder (no absolute path, no `..`)."""
+    path = pathlib.PurePosixPath(name)
+    return bool(name) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
 
 
 def _numbers(value) -> bool:
@@ -61,8 +86,8 @@ STATE_FIELDS = (
     ("world_size", lambda v: _whole(v, 1), "a whole number of ranks >= 1"),
     ("kl_controller", lambda v: _numbers(v) and "value" in v, "an object of numbers with a 'value'"),
     ("config", lambda v: isinstance(v, dict), "an object holding the run's settings"),
-    ("sha256", lambda v: isinstance(v, dict) and all(isinstance(d, str) for d in v.values()),
-     "an object giving each file's sha256"),
+    ("sha256", lambda v: isinstance(v, dict) and all(isinstance(d, str) and _inside(name) for name, d in v.items()),
+     "an object giving the sha256 of each file, by its path inside the checkpoint"),
 )
 
 

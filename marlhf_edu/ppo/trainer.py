@@ -47,8 +47,9 @@ from marlhf_edu.math.scoring import append_missing_eos, penalise_missing_eos, sc
 from marlhf_edu.ppo.backends import PPOBackend
 from marlhf_edu.ppo.config import PPOConfig
 from marlhf_edu.ppo.distributed import DataParallel, chunk_seed, left_pad_to
-from marlhf_edu.ppo.run_files import (check_run_folder, fsync_path, keep_records_up_to, load_data, read_jsonl,
-                                      seal_checkpoint, set_aside_stopped_run)
+from marlhf_edu.ppo.run_files import (CHECKPOINT_POLICY, check_run_folder, export_policy, fsync_path,
+                                      keep_records_up_to, load_data, read_jsonl, seal_checkpoint,
+                                      set_aside_stopped_run)
 from marlhf_edu.ppo.used_columns import packed, right_aligned, unpacked
 
 #: Phases of a step timed separately (`time/<phase>_s`): sampling, the reward model's scores, the rollout's
@@ -518,6 +519,10 @@ class PPOTrainer:
             "kl/k1": float(_masked_sum(r.logprobs - r.ref_logprobs, m).mean()),
             "kl/k3": float(_masked_sum(kl_penalty(r.logprobs, r.ref_logprobs, "k3"), m).mean()),
             "kl/coef": float(self.kl_controller.value),
+            # the adaptive controller's aim, so that a reader of the records (`watch.check_run`) knows where the
+            # run's KL is meant to sit
+            **({"kl/target": self.kl_controller.target} if isinstance(self.kl_controller, AdaptiveKLController)
+               else {}),
             "policy/entropy": float(masked_mean(r.entropy, m)),
             "value/mean": float(masked_mean(r.values, m)),
             "value/explained_variance": float(1 - masked_var(r.returns - r.values, m) / returns_var)
@@ -654,6 +659,9 @@ class PPOTrainer:
         save_file({k: v.detach().contiguous().cpu() for k, v in self.backend.trainable_state_dict().items()},
                   str(tmp / "trainable.safetensors"))
         torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+        # the policy at this step as a model reference (`generate`, `evaluate`, `merge` read it): a run's answers
+        # can be read at each checkpoint, while it runs or after it stopped, without resuming it
+        export_policy(self.backend, self.config, tmp / CHECKPOINT_POLICY)
         for rank, rng in enumerate(rngs):
             torch.save(rng, tmp / self._rng_file(rank))
         state = {"step": self.step_index, "data_position": self.step_index * self.config.batch_size,

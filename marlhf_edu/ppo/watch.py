@@ -9,7 +9,9 @@ noisy at 16 rollouts) or looks at every step for an event. The thresholds are ru
 arguments; a finding is a reason to read samples, not proof. What the rules look for:
 
 * `kl_runaway`: the KL to the reference (per response, k1) beyond `kl_limit` nats: the policy has moved far
-  from the SFT model, the usual road to reward hacking (trl 0.11's adaptive controller aims at 6);
+  from the SFT model, the usual road to reward hacking. Unset, the limit is 6, or 1.5 times the adaptive
+  controller's target where the records hold one (`kl/target`): a run held at its target (trl 0.11's is 6,
+  the 7B config's too) is where it was asked to be;
 * `length_collapse` / `length_runaway`: answers shrink to under `length_drop` of their starting length, or stop
   ending (most answers hit max_new_tokens without EOS): a short or endless answer the reward model likes;
 * `entropy_collapse`: the per-token entropy falls under `entropy_drop` of its start: the policy is converging on
@@ -137,7 +139,8 @@ def eos_score_gap(records: list[dict], min_corr: float = 0.5) -> tuple[float, st
     return -sqs / sqq, f"estimated from the trend of {len(pts)} steps, confounded with whatever else changed"
 
 
-def check_run(records: list[dict], *, held_out: list[dict] | None = None, window: int = 5, kl_limit: float = 6.0,
+def check_run(records: list[dict], *, held_out: list[dict] | None = None, window: int = 5,
+              kl_limit: float | None = None,
               length_drop: float = 0.5, entropy_drop: float = 0.5, no_eos_limit: float = 0.5, score_rise: float = 0.1,
               gold_fall: float = 0.05, held_out_fall: float = 0.05, eos_gap: float = 1.0) -> list[Finding]:
     """The findings of the rules above on a run's step records (`read_metrics`), in rule order; [] = none.
@@ -157,6 +160,9 @@ def check_run(records: list[dict], *, held_out: list[dict] | None = None, window
     def start_now(key):  # mean of the first and of the last window; None when the run did not log `key`
         return (_mean(first, key), _mean(last, key)) if key in has else None
 
+    if kl_limit is None:  # above the adaptive controller's own target, which a healthy run oscillates around
+        target = records[-1].get("kl/target")
+        kl_limit = 1.5 * target if isinstance(target, (int, float)) and target > 0 else 6.0
     found = []
     if (kl := start_now("kl/k1")) and kl[1] > kl_limit:
         found.append(Finding("kl_runaway", end, f"KL to the reference {kl[1]:.1f} nats per response over the last "
