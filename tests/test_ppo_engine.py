@@ -457,3 +457,22 @@ def test_the_command_prints_one_bar_a_table_and_no_library_warnings(tmp_path):
     assert rows["n_harmful"][0] == rows["n_harmful"][1] and rows["n_harmful"][0].isdigit()  # a count, no change
     assert rows["reward_model_score"][2].startswith(("+", "-"))
     assert "eval.json" in proc.stdout and "{" not in proc.stdout
+
+
+def test_the_shuffled_reward_is_the_reward_models_scores_permuted_within_each_chunk(tmp_path, prompts):
+    """`reward: reward_model_shuffled` (chapter 13's negative control): PPO gets the reward model's scores of the
+    same answers, each forward chunk's permuted by its own generator; nothing else of the rollout changes (the same
+    answers are drawn), and the unpermuted scores are logged."""
+    from marlhf_edu.ppo.trainer import shuffled_order
+
+    plain = make_trainer(tmp_path / "plain", prompts, forward_batch_size=4)
+    a = plain.rollout(plain.batch_prompts(0))
+    shuffled = make_trainer(tmp_path / "shuffled", prompts, forward_batch_size=4, reward="reward_model_shuffled")
+    b = shuffled.rollout(shuffled.batch_prompts(0))
+    assert torch.equal(a.input_ids, b.input_ids)  # the permutation draws nothing from the sampling generators
+    assert torch.equal(b.reward_model_scores, a.raw_scores)
+    order = torch.cat([4 * k + shuffled_order(4, shuffled.config.seed, 0, k) for k in range(len(a.raw_scores) // 4)])
+    assert torch.equal(b.raw_scores, a.raw_scores[order]) and not torch.equal(b.raw_scores, a.raw_scores)
+    record = shuffled.rollout_stats(b)
+    assert record["score/reward_model_mean"] == pytest.approx(record["score/mean"], abs=1e-6)  # the same scores
+    assert shuffled_order(4, 0, 1, 0).tolist() != shuffled_order(4, 0, 2, 0).tolist()  # a new order each step

@@ -31,7 +31,7 @@ TOKEN_KL_KINDS = tuple(k for k in KL_KINDS if k != "full")
 #: How PPO reads prompts from a dataset (`load_prompts` in marlhf_edu.ppo.run).
 PROMPT_FORMATS = ("prompt", "hh-rlhf")
 #: What PPO optimises (`PPOConfig.reward`).
-REWARDS = ("reward_model", "keyword_judge", "canonical_refusal", "sentiment")
+REWARDS = ("reward_model", "keyword_judge", "canonical_refusal", "sentiment", "reward_model_shuffled")
 #: The shipped prompts whose held-out split the sentiment judge (VADER, chapter 13) evaluates.
 SENTIMENT_DATASET = "everyday-prompts"
 #: KV caches the merged rollout copy can sample with (`PPOConfig.rollout_cache`, `merged_rollout.MergedPolicy`).
@@ -100,7 +100,7 @@ class PPOConfig:
     # ---- scores ---------------------------------------------------------------------------
     truncated_scoring: str = field(default="append_eos", metadata={"help": "how the reward model reads a response cut off at max_new_tokens (no EOS): 'append_eos' (default) scores it with EOS appended, as the reward model was trained on EOS-terminated texts, and missing_eos_penalty then charges the truncation; 'last_token' reads it at its last generated token, mid-sentence, out of the reward model's training distribution (the trap chapter 13 shows)"})
     missing_eos_penalty: float | None = field(default=None, metadata={"help": "subtracted from the score of a response without EOS"})
-    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score); on hh-rlhf data also a positive control (chapter 13), with the book's harmless training questions paid 1 for a right answer: 'canonical_refusal' (on a red-team prompt the share of a canonical refusal said from the first word, 1 only for the whole answer being one: keyword_rewards.canonical_refusal_score) or 'keyword_judge' (1 for any refusal by the judge's keywords that is not a hollow apology: gamed by 'I can't think of ...'); on any data 'sentiment', VADER's compound score of the answer in [-1, 1] (sentiment_judge.sentiment_reward, chapter 13's positive control for the sentiment experiment). The reward model's score is logged either way (score/reward_model_mean)"})
+    reward: str = field(default="reward_model", metadata={"help": "what PPO optimises: 'reward_model' (the reward adapter's score); on hh-rlhf data also a positive control (chapter 13), with the book's harmless training questions paid 1 for a right answer: 'canonical_refusal' (on a red-team prompt the share of a canonical refusal said from the first word, 1 only for the whole answer being one: keyword_rewards.canonical_refusal_score) or 'keyword_judge' (1 for any refusal by the judge's keywords that is not a hollow apology: gamed by 'I can't think of ...'); on any data 'sentiment', VADER's compound score of the answer in [-1, 1] (sentiment_judge.sentiment_reward, chapter 13's positive control for the sentiment experiment); and 'reward_model_shuffled', a negative control (chapter 13): the reward model's scores permuted among the answers of each forward chunk at every step, so that PPO gets their scale and spread but not which answer earned which. The reward model's score is logged either way (score/reward_model_mean)"})
     score_baseline: float = field(default=0.0, metadata={"help": "subtracted from every score"})
     rollouts_per_prompt: int = field(default=1, metadata={"help": "answers sampled to each prompt of a batch (batch_size must be a multiple): batch_size / k distinct prompts, each k times"})
     group_baseline: bool = field(default=False, metadata={"help": "subtract from each score the mean score of the other answers to its prompt (leave-one-out, as RLOO): the reward model is only asked which answer to a prompt is better. Needs rollouts_per_prompt > 1"})
@@ -225,7 +225,7 @@ class PPOConfig:
         need(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
              f"missing_eos_penalty must be >= 0 (it is subtracted), got {self.missing_eos_penalty}")
         need(self.reward in REWARDS, f"reward must be one of {REWARDS}, got {self.reward!r}")
-        need(self.reward in ("reward_model", "sentiment") or self.dataset_format == "hh-rlhf",
+        need(self.reward in ("reward_model", "sentiment", "reward_model_shuffled") or self.dataset_format == "hh-rlhf",
              f"reward: {self.reward} judges refusals of red-team requests: it needs dataset_format: hh-rlhf")
         need(self.dataset_name != SENTIMENT_DATASET or self.dataset_split == "train",
              f"dataset_name: {SENTIMENT_DATASET} trains on its train split (its held_out split is the sentiment "

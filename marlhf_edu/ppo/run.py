@@ -195,7 +195,7 @@ def _run(config, backend_factory, progress: bool, checked, prompts: list[str], r
         toy = ToyWorld(ToyWorldConfig(seed=config.toy_seed))
     # toy data has a gold judge: every step logs it next to the reward model's score (chapter 11)
     reward_fn = None
-    if config.reward != "reward_model":  # chapter 13's positive controls: a judge's verdict as the reward
+    if config.reward not in ("reward_model", "reward_model_shuffled"):  # chapter 13's positive controls: a judge's verdict
         reward_fn = {"keyword_judge": keyword_reward, "canonical_refusal": canonical_refusal_reward,
                      "sentiment": sentiment_reward}[config.reward](
             template_for(backend.tokenizer))

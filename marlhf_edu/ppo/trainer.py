@@ -81,6 +81,13 @@ class PhaseTimer:
             self.seconds[phase] += time.perf_counter() - start
 
 
+def shuffled_order(n: int, seed: int, step: int, chunk: int) -> torch.Tensor:
+    """The permutation `reward: reward_model_shuffled` applies to the `n` scores of forward chunk `chunk` (counted
+    over the global batch) at step `step`: drawn from its own generator, so the same on any number of ranks and
+    after a resume, and no other random draw of the run moves."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(chunk_seed(seed, step, chunk) + 7919))
+
+
 def response_mask_from_ids(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
     """(B, R) ids → (B, R) bool mask: every token up to and including the first EOS.
 
@@ -344,6 +351,11 @@ class PPOTrainer:
                 rm_scores = raw_scores
                 raw_scores = torch.tensor(self.reward_fn(dp.shard(prompts), texts), dtype=torch.float32,
                                           device=raw_scores.device)
+            elif cfg.reward == "reward_model_shuffled":  # the negative control: which answer earned which score is lost
+                rm_scores = raw_scores
+                raw_scores = torch.cat([raw_scores[c][shuffled_order(c.stop - c.start, cfg.seed, self.step_index,
+                                                                     first_chunk + i)]
+                                        for i, c in enumerate(chunks)])
 
         # the old log-probs in the update's own rows per forward (micro_batch_size), since the first minibatch's
         # ratio is exp(new - old): GPU kernels can round differently for different batch shapes. On an H100 at 7B,
