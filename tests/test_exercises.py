@@ -557,33 +557,47 @@ def test_check_dequantize_q4_1_passes_the_reference_and_fails_classic_mistakes()
 def test_check_global_whiten_passes_the_reference_and_fails_classic_mistakes():
     from marlhf_edu.math.masked import masked_whiten
 
-    def sums(values, masks, means="tokens", bessel=True, drop_mask=False):
-        """What each rank would all-reduce: token counts, sums, then squared deviations."""
-        masks = [torch.ones_like(m) if drop_mask else m.bool() for m in masks]
-        counts = [int(m.sum()) for m in masks]
-        totals = [float(torch.where(m, v, 0.0).sum()) for v, m in zip(values, masks)]
+    def sums(values, mask, all_reduce, means="tokens", bessel=True, drop_mask=False):
+        """One rank's answer: all-reduce the token count and sum, then the squared deviations."""
+        mask = torch.ones_like(mask) if drop_mask else mask.bool()
+        count, total = mask.sum().double(), torch.where(mask, values, 0.0).sum().double()
         if means == "tokens":
-            mean = sum(totals) / sum(counts)
+            n, s = all_reduce(torch.stack([count, total]))
+            mean = s / n
         else:  # the mean of the ranks' means, each rank counted once
-            mean = sum(t / c for t, c in zip(totals, counts)) / len(counts)
-        n = sum(counts)
-        ss = sum(float(torch.where(m, (v - mean) ** 2, 0.0).sum()) for v, m in zip(values, masks))
-        std = (ss / (n - 1 if bessel else n) + 1e-8) ** 0.5
-        return [torch.where(m, (v - mean) / std, 0.0) for v, m in zip(values, masks)]
-
-    def per_rank(values, masks):  # each rank whitens its own shard: the bug data parallelism invites
-        out = []
-        for v, m in zip(values, masks):
-            out += sums([v], [m])
-        return out
+            mean = all_reduce(total / count) / all_reduce(torch.tensor(1.0, dtype=torch.float64))
+            n = all_reduce(count)
+        ss = all_reduce(torch.where(mask, (values - mean) ** 2, 0.0).sum())
+        std = torch.sqrt(ss / (n - 1 if bessel else n) + 1e-8)
+        return torch.where(mask, (values - mean) / std, 0.0)
 
     assert ex.check_global_whiten(sums)
     assert ex.check_global_whiten(sums, seed=7)
-    assert not ex.check_global_whiten(masked_whiten)  # withheld while the learner runs
-    assert not ex.check_global_whiten(per_rank)
-    assert not ex.check_global_whiten(lambda v, m: sums(v, m, means="ranks"))
-    assert not ex.check_global_whiten(lambda v, m: sums(v, m, bessel=False))
-    assert not ex.check_global_whiten(lambda v, m: sums(v, m, drop_mask=True))  # padding counted as tokens
+    assert not ex.check_global_whiten(lambda v, m, r: masked_whiten(v, m))  # withheld while the learner runs
+    assert masked_whiten(torch.ones(1, 2), torch.ones(1, 2)).shape == (1, 2)  # and back once the check is over
+    assert not ex.check_global_whiten(lambda v, m, r: sums(v, m, lambda t: t))  # each rank whitens its own shard
+    assert not ex.check_global_whiten(lambda v, m, r: sums(v, m, r, means="ranks"))
+    assert not ex.check_global_whiten(lambda v, m, r: sums(v, m, r, bessel=False))
+    assert not ex.check_global_whiten(lambda v, m, r: sums(v, m, r, drop_mask=True))  # padding counted as tokens
+    # a rank sees its own rows only: the other ranks' statistics can only come through all_reduce
+    seen = []
+    ex.check_global_whiten(lambda v, m, r: seen.append(v.shape) or sums(v, m, r))
+    assert (3, 5) in seen and (1, 5) in seen and all(len(shape) == 2 for shape in seen)
+
+
+def test_run_ranks_reports_mismatched_all_reduces_instead_of_hanging():
+    from marlhf_edu.teaching.checks.part4_scale import run_ranks
+
+    values, masks = [torch.zeros(1, 2), torch.ones(2, 2)], [torch.ones(1, 2), torch.ones(2, 2)]
+    assert [float(t) for t in run_ranks(lambda v, m, r: r(v.sum()), values, masks)] == [4.0, 4.0]
+    with pytest.raises(ValueError, match="different number of times"):  # rank 1 reduces twice
+        run_ranks(lambda v, m, r: [r(v.sum()) for _ in range(len(v))], values, masks, timeout=0.5)
+    with pytest.raises(ValueError, match="shapes .* on different ranks"):
+        run_ranks(lambda v, m, r: r(v), values, masks)
+    with pytest.raises(ZeroDivisionError):  # a rank's own error is the one reported
+        run_ranks(lambda v, m, r: 1 / 0 if len(v) == 2 else r(v.sum()), values, masks)
+    report = ex.check_global_whiten(lambda v, m, r: [r(v.sum()) for _ in range(len(v))] and v)
+    assert not report and any("different number of times" in f for f in report.failures)  # 3 rows and 1 row
 
 
 def test_check_kv_cache_bytes_passes_the_reference_and_fails_classic_mistakes():

@@ -14,7 +14,8 @@ import torch
 from marlhf_edu.loading.gguf_blocks import dequantize_q4_1
 from marlhf_edu.math.masked import masked_whiten
 from marlhf_edu.memory.plan import LLAMA_2_7B, ModelShape, kv_cache_bytes
-from marlhf_edu.teaching.grading import CheckReport, _compare, _learner, _padded_mask, _run, _withholds
+from marlhf_edu.teaching.grading import (CheckReport, _compare, _learner, _padded_mask, _resolve, _run, _withholds,
+                                         withheld)
 
 
 @_withholds("marlhf_edu.loading.gguf_blocks.dequantize_q4_1", "gguf.quants.Q4_1.dequantize_blocks")
@@ -63,23 +64,71 @@ def check_dequantize_q4_1(fn: Callable, seed: int = 0) -> CheckReport:
     ])
 
 
+def run_ranks(fn: Callable, values: list[torch.Tensor], masks: list[torch.Tensor], timeout: float = 5.0) -> list:
+    """Call `fn(values[r], masks[r], all_reduce)` for every rank r at once, each in its own thread, as data
+    parallelism runs one process a rank: a rank sees its own rows only, and `all_reduce(t)` returns the sum of `t`
+    over the ranks (like `torch.distributed.all_reduce` with SUM, returning the sum instead of writing it into
+    `t`). Every rank must call it as often as the others, with tensors of one shape. Returns each rank's result;
+    raises the first rank's error (a `ValueError` saying so when the ranks' calls did not match)."""
+    import threading
+
+    world = len(values)
+    barrier = threading.Barrier(world, timeout=timeout)
+    slots, results, errors, stranded = [None] * world, [None] * world, [None] * world, [False] * world
+
+    def rank_main(rank):
+        def all_reduce(t):
+            slots[rank] = torch.as_tensor(t).detach().clone()
+            barrier.wait()  # every rank has put its tensor in
+            shapes = {tuple(x.shape) for x in slots}
+            total = None if len(shapes) > 1 else torch.stack(slots).sum(0)  # ranks 0, 1, ... in order: one result
+            barrier.wait()  # every rank has read the others' before any slot is written again
+            if total is None:
+                raise ValueError(f"all_reduce got tensors of shapes {sorted(shapes)} on different ranks: every "
+                                 "rank must reduce a tensor of one shape")
+            return total
+
+        try:
+            results[rank] = fn(values[rank], masks[rank], all_reduce)
+        except threading.BrokenBarrierError:  # another rank failed, or the ranks' calls did not match
+            stranded[rank] = True
+            barrier.abort()
+        except Exception as err:  # noqa: BLE001 - the learner's error, reported as the case's line
+            errors[rank] = err
+            barrier.abort()  # the other ranks stop waiting for this one
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    raised = [e for e in errors if e is not None]
+    if raised:  # a rank's own error, not the others' waiting it broke off
+        raise raised[0]
+    if any(stranded):
+        raise ValueError("the ranks called all_reduce a different number of times (a rank waited for the others): "
+                         "every rank must call it as often, in the same order")
+    return results
+
+
 @_withholds("marlhf_edu.math.masked.masked_whiten", "marlhf_edu.math.masked.masked_var")
 def check_global_whiten(fn: Callable, seed: int = 0) -> CheckReport:
-    """Check `fn(values, masks) -> list[Tensor]`: advantage whitening over a batch split across ranks.
+    """Check `fn(values, mask, all_reduce) -> Tensor`: advantage whitening over a batch split across ranks.
 
-    Chapter 14's exercise. `values[r]` and `masks[r]` are rank r's (b_r, R) advantages and response mask; the
-    answer is one (b_r, R) tensor per rank, equal to `marlhf_edu.math.masked.masked_whiten` of the whole batch (the
-    ranks' rows concatenated) cut back into the ranks' rows: the mean over every selected token of every rank,
-    the unbiased variance with the global count, zeros where the mask is 0. A non-zero `seed` draws other cases.
+    Chapter 14's exercise. `fn` runs on every rank at once (`run_ranks`: a thread a rank), with rank r's (b_r, R)
+    advantages and response mask and `all_reduce(t)`, the sum of `t` over the ranks; it returns rank r's (b_r, R)
+    advantages, equal to `marlhf_edu.math.masked.masked_whiten` of the whole batch (the ranks' rows
+    concatenated) cut back into the ranks' rows: the mean over every selected token of every rank, the unbiased
+    variance with the global count, zeros where the mask is 0. A rank sees only its own rows, so the statistics
+    must travel through `all_reduce`. A non-zero `seed` draws other cases.
     """
-    fn = _learner(fn, check_global_whiten)
+    withhold = tuple(_resolve(path) for path in check_global_whiten.withholds)
     gen = torch.Generator().manual_seed(seed + 14)
 
     def case(label, values, masks):
         def run():
-            got = fn([v.clone() for v in values], [m.clone() for m in masks])
-            if not isinstance(got, (list, tuple)) or len(got) != len(values):
-                return f"{label}: expected a list of {len(values)} tensors (one per rank), got {type(got).__name__}"
+            with withheld(*withhold):  # once around all the ranks' threads (swapping code per thread would race)
+                got = run_ranks(fn, [v.clone() for v in values], [m.clone() for m in masks])
             expected = masked_whiten(torch.cat(values), torch.cat(masks)).split([len(v) for v in values])
             for rank, (g, e) in enumerate(zip(got, expected)):
                 problem = _compare(f"{label}, rank {rank}", g, e, 1e-5, 1e-5)
